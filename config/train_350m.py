@@ -1,0 +1,17 @@
+# Paper Table 1, 350M scale: d1024 / L24 / 16 heads / 8 KV heads / FFN 4096, seq 1024, global batch 32.
+#   torchrun --standalone --nproc_per_node=8 train.py config/train_350m.py --residual=mhar --out_dir=out/350m_mhar
+# 20k steps x 32k tokens = 655M tokens:  python prepare_data.py --max_tokens=7e8 --out_dir=data/fineweb_edu
+data_dir = "data/fineweb_edu"
+n_layer = 24
+n_head = 16
+n_kv_head = 8          # MHAR default route_heads = 8
+n_embd = 1024
+ffn_hidden = 4096
+block_size = 1024
+batch_tokens = 32 * 1024
+micro_batch = 4        # the paper's per-GPU microbatch (4 x 1024)
+lr = 1e-3
+warmup_steps = 1000
+max_steps = 20000
+lr_decay_steps = 20000
+eval_interval = 500

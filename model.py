@@ -1,0 +1,416 @@
+"""
+A Qwen3-style GPT whose residual connections are one knob: baseline, hyper-connections,
+attention residuals, or Multi-Head Attention Residuals (MHAR, arXiv 2607.27230).
+
+MHAR in three lines (paper, method section; ../shared/SPEC.md section 1):
+  sources s_0 = embedding, s_j = raw output of sublayer j; site j mixes s_0..s_{j-1}:
+  logit[n, h] = < q[h], g[h] * RMSNorm(s_n)[h] >,  alpha[:, h] = softmax_n(logit[:, h]),
+  out[h] = sum_n alpha[n, h] * s_n[h]     (H heads = contiguous channel slices of width d/H)
+H = 1 is attention residuals (Kimi, arXiv 2603.15031); H > 1 splits the same query, zero new parameters.
+
+Where things live: GPTConfig -> RMSNorm / RoPE / Attention / MLP -> route_reference and Route (the new idea)
+-> HyperConnection (the hyper-connections comparison) -> Block -> GPT (forward for every mode, optimizer,
+generation, MFU, checkpoint loading).
+"""
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+RESIDUAL_MODES = ("baseline", "hyper", "attnres", "mhar")
+ROUTING_IMPLS = ("reference", "fused")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304        # tokenizer vocab padded up to a multiple of 128 (gpt2: 50257 -> 50304)
+    block_size: int = 1024         # longest sequence; RoPE tables are built for this many positions
+    n_layer: int = 12              # L blocks = 2L sublayers (attention, MLP, attention, MLP, ...)
+    n_head: int = 8                # query heads; head_dim = n_embd / n_head
+    n_kv_head: int = 4             # key/value heads (grouped-query attention)
+    n_embd: int = 512              # model width d
+    ffn_hidden: int = 1536         # SwiGLU hidden width
+    rope_theta: float = 1e4        # RoPE base
+    norm_eps: float = 1e-6         # eps of every RMSNorm and of the routing key norm
+    tie_embeddings: bool = True    # LM head shares the token embedding matrix
+    residual: str = "mhar"         # baseline | hyper | attnres | mhar
+    route_heads: int | None = None # MHAR heads H; None means n_kv_head (the paper's tuning-free default)
+    hc_streams: int = 4            # hyper-connections: number of residual streams n
+    hc_dynamic: bool = True        # hyper-connections: dynamic (DHC) or static (SHC) connection weights
+    routing_impl: str = "reference"  # reference (plain PyTorch) | fused (Triton, routing_kernel.py)
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(msg)
+        if self.residual not in RESIDUAL_MODES:
+            bad(f"residual={self.residual!r} is not one of {', '.join(RESIDUAL_MODES)}")
+        if self.routing_impl not in ROUTING_IMPLS:
+            bad(f"routing_impl={self.routing_impl!r} is not one of {', '.join(ROUTING_IMPLS)}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "hc_streams"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                bad(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.n_embd % self.n_head:
+            bad(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head} (head_dim = n_embd / n_head)")
+        if self.n_head % self.n_kv_head:
+            bad(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head} (grouped-query attention)")
+        if (self.n_embd // self.n_head) % 2:
+            bad(f"head_dim={self.n_embd // self.n_head} must be even for RoPE: change n_embd or n_head")
+        if self.residual == "attnres" and self.route_heads not in (None, 1):
+            bad(f"residual='attnres' is single-head, got route_heads={self.route_heads}: "
+                "use residual='mhar' for several heads")
+        H = self.heads
+        if not (isinstance(H, int) and 1 <= H <= self.n_embd):
+            bad(f"route_heads={H!r} must be an integer in [1, n_embd={self.n_embd}]")
+        if self.n_embd % H:
+            bad(f"n_embd={self.n_embd} must be divisible by route_heads={H}: "
+                f"pick a divisor of {self.n_embd}, e.g. route_heads={self.n_kv_head if self.n_embd % self.n_kv_head == 0 else 1}")
+
+    @property
+    def heads(self):
+        """Routing heads H actually used: 1 for attnres, route_heads (default n_kv_head) for mhar."""
+        if self.residual == "attnres":
+            return 1
+        return self.n_kv_head if self.route_heads is None else self.route_heads
+
+    @property
+    def n_sites(self):
+        return 2 * self.n_layer + 1
+
+    @classmethod
+    def from_dict(cls, d):
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# -----------------------------------------------------------------------------
+# Qwen3-style building blocks (SPEC section 3)
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # fp32 statistics whatever the input dtype; output keeps the input dtype (bf16 under autocast)
+        return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)
+
+
+def rope_tables(head_dim, n_pos, theta):
+    """cos, sin of shape (n_pos, head_dim / 2), fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(n_pos, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    """x: (B, T, heads, head_dim); rotate the two halves of each head (Qwen3/Llama "rotate_half" layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Pre-norm grouped-query attention with per-head RMSNorm on q and k (QK-norm)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        d, kv = cfg.n_embd, cfg.n_kv_head * self.head_dim
+        self.norm = RMSNorm(d, cfg.norm_eps)
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv, bias=False)
+        self.v_proj = nn.Linear(d, kv, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        h = self.norm(x)
+        q = self.q_proj(h).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(h).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.v_proj(h).view(B, T, self.n_kv_head, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """Pre-norm SwiGLU."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x, cos=None, sin=None):  # cos/sin unused: every sublayer takes the same arguments
+        h = self.norm(x)
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+# -----------------------------------------------------------------------------
+# Routing over the depth history (the one new idea; SPEC section 1)
+#
+# Every sublayer input, and the final readout, is a learned softmax mix over all earlier sublayer
+# outputs ("sources"). Each site owns a query q (init 0) and a key-norm gain g (init 1), both (d,).
+# Keys are the RMS-normalised sources (RMS over the full width d) times g; values are the raw sources.
+# MHAR reshapes q, g and the sources into H contiguous channel slices and runs one softmax per slice,
+# so each slice of the width picks its own depth mixture. q = 0 gives the uniform mean over sources,
+# which is the additive residual stream divided by N: after the next RMSNorm, the baseline's function.
+
+def route_reference(sources, q, g, n_heads, eps=1e-6, return_alpha=False):
+    """The specification of MHAR routing. sources: (N, B, T, d) -> out (B, T, d) in the sources' dtype.
+    With return_alpha, also the softmax weights alpha: (N, B, T, H), fp32. Math in fp32."""
+    N, B, T, d = sources.shape
+    s = sources.float()
+    r = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)             # (N, B, T, 1) RMS factor, full width
+    keys = (s * r * g.float()).view(N, B, T, n_heads, d // n_heads)    # RMSNorm(s_n) * g, split into heads
+    logits = (keys * q.float().view(n_heads, d // n_heads)).sum(-1)    # (N, B, T, H), no temperature
+    alpha = torch.softmax(logits, dim=0)                               # softmax over sources, per head
+    out = (alpha.unsqueeze(-1) * s.view(N, B, T, n_heads, d // n_heads)).sum(0)  # values: raw sources
+    out = out.reshape(B, T, d).to(sources.dtype)
+    return (out, alpha) if return_alpha else out
+
+
+class Route(nn.Module):
+    """One routing site: a query and a key gain over the width d, split into `heads` heads."""
+
+    def __init__(self, dim, heads, eps):
+        super().__init__()
+        self.heads, self.eps = heads, eps
+        self.q = nn.Parameter(torch.zeros(dim))   # zero query: uniform mix = residual stream / N at init
+        self.g = nn.Parameter(torch.ones(dim))
+
+
+# -----------------------------------------------------------------------------
+# Hyper-connections (Zhu et al., arXiv 2409.19606), the comparison of SPEC section 2.
+#
+# n residual streams H (B, T, n, d). Per sublayer a connection matrix A (n, 1+n): column 0 reads the
+# sublayer input as a weighted sum of streams, columns 1..n mix the streams; write weights beta (n,) add
+# the sublayer output to every stream. Static init: read one-hot e_{k mod n}, mixing = identity, beta = 1,
+# so with n copies of the embedding every stream equals the baseline residual stream. Dynamic (DHC)
+# adds s * tanh(norm(H) W) with W = 0 and s = 0.01 at init. The paper's norm here is a LayerNorm; we use
+# the model's RMSNorm like everywhere else (no biases anywhere).
+
+class HyperConnection(nn.Module):
+    def __init__(self, cfg, k):
+        super().__init__()
+        n, d = cfg.hc_streams, cfg.n_embd
+        static = torch.zeros(n, 1 + n)
+        static[k % n, 0] = 1.0                      # read stream k mod n
+        static[:, 1:] = torch.eye(n)                # streams pass through unchanged
+        self.alpha = nn.Parameter(static)
+        self.beta = nn.Parameter(torch.ones(n))
+        self.dynamic = cfg.hc_dynamic
+        if self.dynamic:
+            self.norm = RMSNorm(d, cfg.norm_eps)
+            self.w_alpha = nn.Parameter(torch.zeros(d, 1 + n))
+            self.w_beta = nn.Parameter(torch.zeros(d))
+            self.s_alpha = nn.Parameter(torch.full((), 0.01))
+            self.s_beta = nn.Parameter(torch.full((), 0.01))
+
+    def forward(self, streams, sublayer, cos, sin):
+        # streams: (B, T, n, d). Elementwise products and sums (not einsum/matmul) keep the streams in
+        # their own dtype under autocast, like the baseline's fp32 residual stream.
+        a, b = self.alpha, self.beta
+        if self.dynamic:
+            hn = self.norm(streams).float()
+            a = a + self.s_alpha * torch.tanh(hn @ self.w_alpha.float())   # (B, T, n, 1+n)
+            b = b + self.s_beta * torch.tanh(hn @ self.w_beta.float())     # (B, T, n)
+        x = (a[..., 0, None] * streams).sum(-2).to(streams.dtype)          # read: (B, T, d)
+        y = sublayer(x, cos, sin)
+        mixed = (a[..., 1:, None] * streams.unsqueeze(-2)).sum(-3)         # sum_n A[n, m] H_n -> (B, T, n, d)
+        return (mixed + b[..., None] * y.unsqueeze(-2)).to(streams.dtype)
+
+
+# -----------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+
+PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrings of the device name
+    "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12,
+    "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12,
+}
+
+
+def peak_flops(device_name):
+    """Peak bf16 FLOP/s of a device by name; None for a device not in the table (never a guess)."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):   # longest match first: "H100 PCIe" before "H100"
+        if key in (device_name or ""):
+            return PEAK_FLOPS[key]
+    return None
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, L = cfg.n_embd, cfg.n_layer
+        self.wte = nn.Embedding(cfg.vocab_size, d)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(L))
+        self.norm = RMSNorm(d, cfg.norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        # mode-specific parameters come last and draw no random numbers, so the shared weights of every
+        # mode are identical for the same seed (the residual mechanism is the only difference)
+        if cfg.residual in ("attnres", "mhar"):
+            self.routes = nn.ModuleList(Route(d, cfg.heads, cfg.norm_eps) for _ in range(cfg.n_sites))
+        if cfg.residual == "hyper":
+            self.hyper = nn.ModuleList(HyperConnection(cfg, k) for k in range(2 * L))
+        cos, sin = rope_tables(d // cfg.n_head, cfg.block_size, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._route = route_reference
+        self._head = self._head_impl
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # N(0, 0.02) for every linear and embedding weight (SPEC section 3); norms 1; routing q 0, g 1
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def sublayers(self):
+        """The 2L sublayers in order: attention, MLP, attention, MLP, ..."""
+        return [m for b in self.blocks for m in (b.attn, b.mlp)]
+
+    def routing_sites(self):
+        """The 2L+1 routing sites in order (one before every sublayer, then the final readout)."""
+        return list(self.routes) if hasattr(self, "routes") else []
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())   # tied weights are counted once
+
+    def compile_sublayers(self, **kwargs):
+        """torch.compile each sublayer (in place: parameter names stay clean) and the LM head + loss.
+        All attention sublayers share one compiled graph, all MLPs another. The reference routing is
+        compiled on its own with dynamic shapes (one graph for every number of sources)."""
+        for sub in self.sublayers():
+            sub.compile(**kwargs)
+        self._head = torch.compile(self._head_impl, **kwargs)
+        if self.cfg.residual in ("attnres", "mhar") and self.cfg.routing_impl == "reference":
+            self._route = torch.compile(route_reference, dynamic=True, **kwargs)
+
+    def _head_impl(self, x, targets):
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def forward(self, idx, targets=None, return_routing=False):
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.cfg.block_size}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.wte(idx)
+        subs = self.sublayers()
+        routing = []
+        mode = self.cfg.residual
+        if mode == "baseline":
+            for sub in subs:
+                x = x + sub(x, cos, sin)
+        elif mode == "hyper":
+            streams = x.unsqueeze(-2).expand(B, T, self.cfg.hc_streams, x.size(-1)).contiguous()
+            for hc, sub in zip(self.hyper, subs):
+                streams = hc(streams, sub, cos, sin)
+            x = streams.sum(-2)                                      # readout: sum of streams
+        else:
+            if torch.is_autocast_enabled(x.device.type):             # sources live in the activation dtype
+                x = x.to(torch.get_autocast_dtype(x.device.type))
+            sources = [x]                                            # depth history, each (B, T, d)
+            sites = self.routing_sites()
+            for site, sub in zip(sites, subs):
+                h = self._route_site(site, sources, routing, return_routing)
+                sources.append(sub(h, cos, sin))
+            x = self._route_site(sites[-1], sources, routing, return_routing)
+        logits, loss = self._head(x, targets)
+        return (logits, loss, routing) if return_routing else (logits, loss)
+
+    def _route_site(self, site, sources, routing, return_routing):
+        stacked = torch.stack(sources)                               # sources: (N_j, B, T, d)
+        if return_routing:
+            out, alpha = route_reference(stacked, site.q, site.g, site.heads, site.eps, return_alpha=True)
+            routing.append(alpha)
+            return out
+        return self._route(stacked, site.q, site.g, site.heads, site.eps)
+
+    # -------------------------------------------------------------------------
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, eps=1e-8, decay_all=True, fused=None):
+        """AdamW. The paper decays every parameter (decay_all=True, the default); decay_all=False puts
+        norms, embeddings, routing and hyper-connection parameters in a no-decay group."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        if decay_all:
+            groups = [{"params": params, "weight_decay": weight_decay}]
+        else:
+            no_decay = {id(self.wte.weight)}
+            for name, p in self.named_parameters():
+                if p.dim() < 2 or name.startswith(("routes.", "hyper.")):
+                    no_decay.add(id(p))
+            groups = [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": weight_decay},
+                      {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}]
+        if fused is None:
+            fused = all(p.is_cuda for p in params)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
+
+    def flops_per_token(self, seq_len=None):
+        """Training FLOPs per token: 6 per matmul parameter (fwd + bwd) plus attention scores and values
+        (PaLM appendix B accounting). Routing adds O(N d) per site, negligible, and is not counted."""
+        cfg, T = self.cfg, seq_len or self.cfg.block_size
+        n = self.num_params() - (0 if cfg.tie_embeddings else self.wte.weight.numel())
+        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * T
+
+    def estimate_mfu(self, tokens_per_s, device_name, seq_len=None):
+        """Model FLOPs utilisation in [0, 1], or None when the device's peak is unknown."""
+        peak = peak_flops(device_name)
+        return None if peak is None else self.flops_per_token(seq_len) * tokens_per_s / peak
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Append max_new_tokens tokens to idx (B, T). temperature 0 means greedy."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.block_size:])
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+    @classmethod
+    def from_checkpoint(cls, path_or_out_dir, device="cpu"):
+        """The model of a train.py checkpoint (a ckpt.pt file, or the out_dir holding one)."""
+        path = path_or_out_dir
+        if os.path.isdir(path):
+            path = os.path.join(path, "ckpt.pt")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no checkpoint at {path}: pass a ckpt.pt file or the out_dir of a train.py run")
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        model = cls(GPTConfig.from_dict(ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
+        return model.to(device)
+
+    def config_dict(self):
+        return asdict(self.cfg)

@@ -1,0 +1,248 @@
+"""
+Tokenize text into flat token files for train.py.
+
+Default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub (needs `datasets` and a network),
+stopping after --max_tokens training tokens. Or local files: --input= a file, a glob or a directory of
+.jsonl / .jsonl.gz / .jsonl.xz / .txt / .parquet (a `text` field per row; a .txt file is one document).
+
+Validation documents are held out by document: from --val_input when given, otherwise every k-th
+document (k = 1 / --val_fraction, starting with the first), so train and val never share a document.
+Every document is preceded by the end-of-text token. Output in --out_dir:
+  train.bin, val.bin   raw token ids, uint16 (uint32 when the vocab does not fit)
+  meta.json            tokenizer, vocab size, token/document counts, inputs
+Examples:
+  python prepare_data.py --max_tokens=100_000_000 --out_dir=data/fineweb_edu
+  python prepare_data.py --input=../shared/data/text/books_wiki_en_train.jsonl.xz \
+      --val_input=../shared/data/text/books_wiki_en_val.jsonl.xz --out_dir=data/books_wiki
+"""
+import argparse
+import glob
+import gzip
+import json
+import lzma
+import os
+import sys
+import time
+from collections import deque
+from multiprocessing import Pool
+
+import numpy as np
+
+TOKENIZERS = ("gpt2", "cl100k_base", "o200k_base")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz", ".txt", ".parquet")
+HUB_DATASET, HUB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
+
+
+def load_tokenizer(name):
+    """A tiktoken encoding by name, with an actionable error when its files cannot be fetched."""
+    import tiktoken
+    if name not in TOKENIZERS:
+        raise ValueError(f"tokenizer={name!r} is not one of {', '.join(TOKENIZERS)}")
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as e:  # tiktoken downloads its BPE files on first use; offline that fails here
+        raise RuntimeError(
+            f"could not load the tiktoken encoding {name!r} ({type(e).__name__}: {e}). tiktoken downloads it "
+            "once from openaipublic.blob.core.windows.net: connect to the internet, or set TIKTOKEN_CACHE_DIR "
+            "to a folder that holds its cached files (e.g. ../shared/data/tiktoken_cache)") from e
+
+
+def token_dtype(vocab_size):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def resolve_inputs(spec):
+    """A file, a glob or a directory -> sorted list of supported files."""
+    if os.path.isdir(spec):
+        paths = [os.path.join(root, f) for root, _, files in os.walk(spec) for f in files]
+    elif any(c in spec for c in "*?["):
+        paths = glob.glob(spec, recursive=True)
+    elif os.path.isfile(spec):
+        return [spec]
+    else:
+        raise FileNotFoundError(f"--input={spec}: no such file or directory")
+    paths = sorted(p for p in paths if p.endswith(SUFFIXES))
+    if not paths:
+        raise FileNotFoundError(f"--input={spec}: no {'/'.join(SUFFIXES)} files found")
+    return paths
+
+
+def read_documents(paths, text_field="text"):
+    """Yield the text of every document in the given files, in order."""
+    for path in paths:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+            pf = pq.ParquetFile(path)
+            if text_field not in pf.schema_arrow.names:
+                raise KeyError(f"{path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); use --text_field=")
+            for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+                yield from (t for t in batch.column(0).to_pylist() if t)
+        elif path.endswith(".txt"):
+            with open(path, encoding="utf-8") as f:
+                yield f.read()
+        else:
+            opener = {".gz": gzip.open, ".xz": lzma.open}.get(os.path.splitext(path)[1], open)
+            with opener(path, "rt", encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    if text_field not in row:
+                        raise KeyError(f"{path}:{lineno}: no field {text_field!r} (fields: {list(row)}); use --text_field=")
+                    if row[text_field]:
+                        yield row[text_field]
+
+
+def hub_documents(text_field="text"):
+    try:
+        from datasets import load_dataset  # imported lazily: only the Hub path needs it
+    except ImportError as e:
+        raise RuntimeError("streaming FineWeb-Edu needs `pip install datasets`; or pass local files with --input=") from e
+    ds = load_dataset(HUB_DATASET, name=HUB_CONFIG, split="train", streaming=True)
+    return (row[text_field] for row in ds if row[text_field])
+
+
+_enc = None
+
+
+def _init_worker(name):
+    global _enc
+    _enc = load_tokenizer(name)
+
+
+def _encode(texts):
+    eot = _enc.eot_token
+    return [np.array([eot] + _enc.encode_ordinary(t), dtype=np.uint32) for t in texts]
+
+
+def batched(iterable, n):
+    batch = []
+    for x in iterable:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def encode_stream(docs, tokenizer, workers, batch_docs=64):
+    """Yield token arrays (one per document, end-of-text first) in document order. Parallel over
+    `workers` processes with a bounded look-ahead, so a streamed source is read only as far as used."""
+    if workers <= 1:
+        _init_worker(tokenizer)
+        for batch in batched(docs, batch_docs):
+            yield from _encode(batch)
+        return
+    with Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        pending = deque()
+        for batch in batched(docs, batch_docs):
+            pending.append(pool.apply_async(_encode, (batch,)))
+            if len(pending) >= 4 * workers:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+class TokenWriter:
+    """Append token arrays to `path`.tmp; renamed into place only when everything succeeded."""
+
+    def __init__(self, path, dtype):
+        self.path, self.dtype, self.tokens, self.docs = path, dtype, 0, 0
+        self.f = open(path + ".tmp", "wb")
+
+    def write(self, toks, limit=None):
+        if limit is not None:
+            toks = toks[: max(limit - self.tokens, 0)]
+        toks.astype(self.dtype).tofile(self.f)
+        self.tokens += len(toks)
+        self.docs += 1
+        return len(toks)
+
+    def commit(self):
+        self.f.close()
+        os.replace(self.path + ".tmp", self.path)
+
+
+def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_tokens=100_000_000,
+            max_val_tokens=None, val_fraction=0.01, text_field="text", workers=None, force=False):
+    from tqdm import tqdm
+    enc = load_tokenizer(tokenizer)   # fail early, before reading any data
+    if not val_input and not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1) when no --val_input is given")
+    if max_tokens is not None and max_tokens <= 0:
+        raise ValueError(f"max_tokens={max_tokens} must be positive")
+    if out_dir is None:
+        name = "fineweb_edu" if input is None else os.path.basename(input.rstrip("/*")).split(".")[0] or "local"
+        out_dir = os.path.join("data", name)
+    files = {s: os.path.join(out_dir, s) for s in ("train.bin", "val.bin", "meta.json")}
+    existing = [p for p in files.values() if os.path.exists(p)]
+    if existing and not force:
+        raise FileExistsError(f"{out_dir} already holds {', '.join(map(os.path.basename, existing))}: "
+                              "choose another --out_dir or pass --force to overwrite")
+    os.makedirs(out_dir, exist_ok=True)
+    workers = workers or min(os.cpu_count() or 1, 16)
+    dtype = token_dtype(enc.n_vocab)
+    inputs = resolve_inputs(input) if input else None
+    val_inputs = resolve_inputs(val_input) if val_input else None
+    docs = read_documents(inputs, text_field) if inputs else hub_documents(text_field)
+    every = None if val_inputs else max(1, round(1 / val_fraction))
+    train, val = TokenWriter(files["train.bin"], dtype), TokenWriter(files["val.bin"], dtype)
+    t0 = time.time()
+    bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({workers} workers)")
+    for i, toks in enumerate(encode_stream(docs, tokenizer, workers)):
+        if every is not None and i % every == 0:
+            if max_val_tokens is None or val.tokens < max_val_tokens:
+                val.write(toks, max_val_tokens)
+            continue
+        bar.update(train.write(toks, max_tokens))
+        if max_tokens is not None and train.tokens >= max_tokens:
+            break
+    bar.close()
+    if val_inputs:
+        for toks in encode_stream(read_documents(val_inputs, text_field), tokenizer, workers):
+            val.write(toks, max_val_tokens)
+            if max_val_tokens is not None and val.tokens >= max_val_tokens:
+                break
+    if train.tokens == 0 or val.tokens == 0:
+        raise RuntimeError(f"got {train.tokens} train and {val.tokens} val tokens: need some of each "
+                           "(more input documents, or a larger --val_fraction)")
+    meta = {"tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token,
+            "dtype": np.dtype(dtype).name, "train_tokens": train.tokens, "val_tokens": val.tokens,
+            "train_docs": train.docs, "val_docs": val.docs,
+            "inputs": inputs or [f"hf://{HUB_DATASET}/{HUB_CONFIG}"], "val_inputs": val_inputs,
+            "val_split": "val_input" if val_inputs else f"every {every}th document",
+            "max_tokens": max_tokens, "max_val_tokens": max_val_tokens, "text_field": text_field}
+    train.commit()
+    val.commit()
+    with open(files["meta.json"] + ".tmp", "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(files["meta.json"] + ".tmp", files["meta.json"])
+    print(f"wrote {out_dir}: {train.tokens:,} train tokens ({train.docs:,} docs), "
+          f"{val.tokens:,} val tokens ({val.docs:,} docs), {np.dtype(dtype).name}, {time.time() - t0:.1f}s")
+    return meta
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", help="file, glob or directory of .jsonl[.gz|.xz]/.txt/.parquet; default: FineWeb-Edu from the Hub")
+    p.add_argument("--val_input", help="validation documents (same formats); default: every k-th input document")
+    p.add_argument("--out_dir", help="output folder (default data/<input name> or data/fineweb_edu)")
+    p.add_argument("--tokenizer", default="gpt2", choices=TOKENIZERS, help="tiktoken encoding (default gpt2)")
+    p.add_argument("--max_tokens", type=lambda s: int(float(s.replace("_", ""))), default=100_000_000,
+                   help="stop after this many training tokens (default 100M; 1e9 style accepted)")
+    p.add_argument("--max_val_tokens", type=lambda s: int(float(s.replace("_", ""))), default=None,
+                   help="cap on validation tokens (default: none)")
+    p.add_argument("--val_fraction", type=float, default=0.01, help="held-out fraction of documents (default 0.01)")
+    p.add_argument("--text_field", default="text", help="field/column holding the text (default text)")
+    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPU count, at most 16)")
+    p.add_argument("--force", action="store_true", help="overwrite token files already in --out_dir")
+    args = p.parse_args(argv)
+    try:
+        prepare(**vars(args))
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
+        sys.exit(f"prepare_data.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""
+Sample text from a train.py checkpoint.
+
+  python sample.py --out_dir=out/tiny --start="The meaning of life" --max_new_tokens=100
+  python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --temperature=0     # greedy
+"""
+import argparse
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from model import GPT
+from prepare_data import load_tokenizer
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="out", help="train.py out_dir (or a ckpt.pt path)")
+    p.add_argument("--start", default="\n", help='prompt text, or FILE:path to read it from a file (default "\\n")')
+    p.add_argument("--num_samples", type=int, default=1, help="samples to draw")
+    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--seed", type=int, default=1337, help="sampling seed")
+    args = p.parse_args(argv)
+    if args.temperature < 0:
+        sys.exit(f"sample.py: error: --temperature={args.temperature} must be >= 0")
+
+    torch.manual_seed(args.seed)
+    try:
+        model = GPT.from_checkpoint(args.out_dir, device=args.device)
+    except FileNotFoundError as e:
+        sys.exit(f"sample.py: error: {e}")
+    model.eval()
+    enc = load_tokenizer(model.checkpoint_info.get("tokenizer") or "gpt2")
+    start = args.start
+    if start.startswith("FILE:"):
+        with open(start[5:], encoding="utf-8") as f:
+            start = f.read()
+    ids = enc.encode(start, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
+    x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
+    device_type = "cuda" if args.device.startswith("cuda") else "cpu"
+    ctx = torch.autocast(device_type, dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
+    with ctx:
+        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
+    for i, row in enumerate(y.tolist()):
+        if i:
+            print("-" * 40)
+        print(enc.decode(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,417 @@
+"""
+Tests: python -m pytest -q test_mhar.py   (CPU; a few minutes on 2 cores)
+
+Uses ../shared/data (offline text and tiktoken cache) when it is there; otherwise a small corpus built
+from Python's own documentation, and tiktoken's normal download.
+"""
+import glob
+import json
+import lzma
+import math
+import os
+import pydoc
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(HERE, "..", "shared", "data")
+if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(os.path.join(SHARED, "tiktoken_cache")):
+    os.environ["TIKTOKEN_CACHE_DIR"] = os.path.realpath(os.path.join(SHARED, "tiktoken_cache"))
+
+import prepare_data  # noqa: E402
+import train  # noqa: E402
+from model import GPT, GPTConfig, peak_flops, route_reference  # noqa: E402
+
+MODES = ("baseline", "hyper", "attnres", "mhar")
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=48, ffn_hidden=64)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def randomize_routing(model, scale=0.5, seed=0):
+    """Non-trivial routing (queries are zero at init, which hides bugs)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for site in model.routing_sites():
+            site.q.copy_(torch.randn(site.q.shape, generator=gen) * scale)
+            site.g.copy_(1 + 0.1 * torch.randn(site.g.shape, generator=gen))
+
+
+# -----------------------------------------------------------------------------
+# the routing function against an independent float64 oracle
+
+def route_oracle(sources, q, g, H, eps):
+    """Per-head loops in float64, written from SPEC section 1 without sharing code with model.py."""
+    s, q, g = sources.double(), q.double(), g.double()
+    N, B, T, d = s.shape
+    dh = d // H
+    r = 1.0 / torch.sqrt((s * s).mean(-1, keepdim=True) + eps)
+    out = torch.empty(B, T, d, dtype=torch.float64)
+    for h in range(H):
+        sl = slice(h * dh, (h + 1) * dh)
+        logit = torch.einsum("nbtk,k->nbt", s[..., sl] * r * g[sl], q[sl])
+        w = torch.exp(logit - logit.max(0).values)
+        w = w / w.sum(0)
+        out[..., sl] = torch.einsum("nbt,nbtk->btk", w, s[..., sl])
+    return out
+
+
+@pytest.mark.parametrize("N,B,T,d,H", [(1, 2, 3, 32, 2), (5, 2, 7, 96, 4), (9, 1, 5, 40, 5), (4, 3, 1, 64, 1)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_route_reference_matches_oracle(N, B, T, d, H, dtype, tol):
+    torch.manual_seed(N * 100 + d)
+    sources = torch.randn(N, B, T, d).mul(torch.rand(N, 1, 1, 1) * 3 + 0.1).to(dtype)   # sources of unequal scale
+    q, g = torch.randn(d), 1 + 0.3 * torch.randn(d)
+    out, alpha = route_reference(sources, q, g, H, return_alpha=True)
+    ref = route_oracle(sources, q, g, H, 1e-6)
+    assert out.dtype == dtype and out.shape == (B, T, d) and alpha.shape == (N, B, T, H)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+    assert torch.allclose(alpha.sum(0), torch.ones(B, T, H))
+
+
+def test_zero_query_is_uniform_mean():
+    sources = torch.randn(6, 2, 3, 32)
+    out = route_reference(sources, torch.zeros(32), torch.randn(32), 4)
+    torch.testing.assert_close(out, sources.mean(0))
+
+
+# -----------------------------------------------------------------------------
+# model invariants (SPEC sections 1-2)
+
+def test_single_head_mhar_is_attnres_exactly():
+    torch.manual_seed(0)
+    a = GPT(tiny_cfg(residual="attnres"))
+    torch.manual_seed(0)
+    m = GPT(tiny_cfg(residual="mhar", route_heads=1))
+    randomize_routing(a)
+    randomize_routing(m)
+    idx = torch.randint(0, 96, (2, 16))
+    assert torch.equal(a(idx)[0], m(idx)[0])
+
+
+def test_shared_weights_identical_across_modes():
+    states = {}
+    for mode in MODES:
+        torch.manual_seed(3)
+        states[mode] = GPT(tiny_cfg(residual=mode)).state_dict()
+    base = states["baseline"]
+    for mode in MODES[1:]:
+        extra = set(states[mode]) - set(base)
+        assert all(k.startswith(("routes.", "hyper.")) for k in extra), extra
+        assert all(torch.equal(base[k], states[mode][k]) for k in base)
+
+
+@pytest.mark.parametrize("mode", ["attnres", "mhar", "hyper"])
+def test_zero_queries_reproduce_baseline(mode):
+    # With q = 0 a site returns the mean of its N sources = (additive residual stream) / N, and the next
+    # RMSNorm removes the 1/N: rms_norm(x / N) = x / sqrt(mean(x^2) + N^2 eps). So the functions agree
+    # only up to eps scaled by N^2 (N up to 2L+1); with activations of scale ~0.02 the default eps of 1e-6
+    # would shift the logits visibly, hence a tiny eps here. Hyper-connections at init keep n identical
+    # streams and read out their sum (n x the stream), the same argument with n^2.
+    torch.manual_seed(0)
+    base = GPT(tiny_cfg(residual="baseline", norm_eps=1e-12))
+    other = GPT(tiny_cfg(residual=mode, norm_eps=1e-12))
+    missing, unexpected = other.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith(("routes.", "hyper.")) for k in missing)
+    idx = torch.randint(0, 96, (2, 24))
+    torch.testing.assert_close(other(idx)[0], base(idx)[0], atol=2e-5, rtol=1e-4)
+
+
+def test_parameter_counts():
+    n = {mode: GPT(tiny_cfg(residual=mode)).num_params() for mode in MODES}
+    L, d = 2, 48
+    assert n["mhar"] - n["baseline"] == (2 * L + 1) * 2 * d
+    assert n["attnres"] == n["mhar"]
+    assert n["hyper"] > n["baseline"]
+    assert len(GPT(tiny_cfg()).routing_sites()) == 2 * L + 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_causal_and_finite_gradients(mode):
+    torch.manual_seed(1)
+    model = GPT(tiny_cfg(residual=mode, hc_dynamic=True))
+    randomize_routing(model)
+    idx = torch.randint(0, 96, (2, 20))
+    logits, loss = model(idx, idx)
+    idx2 = idx.clone()
+    idx2[:, 12] = (idx2[:, 12] + 1) % 96
+    logits2, _ = model(idx2)
+    assert torch.equal(logits[:, :12], logits2[:, :12]), "a future token changed an earlier prediction"
+    assert not torch.equal(logits[:, 12:], logits2[:, 12:])
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+    if mode in ("attnres", "mhar"):   # routing parameters learn (site 0 has one source: softmax of one is 1)
+        sites = model.routing_sites()
+        assert sites[0].q.grad.abs().sum() == 0
+        assert all(s.q.grad.abs().sum() > 0 and s.g.grad.abs().sum() > 0 for s in sites[1:])
+
+
+def test_static_hyper_connections_run():
+    model = GPT(tiny_cfg(residual="hyper", hc_dynamic=False, hc_streams=3))
+    _, loss = model(torch.randint(0, 96, (1, 8)), torch.randint(0, 96, (1, 8)))
+    loss.backward()
+    assert {n.split(".")[-1] for n, _ in model.named_parameters() if n.startswith("hyper.")} == {"alpha", "beta"}
+
+
+@pytest.mark.parametrize("H", [1, 2, 6])
+def test_return_routing_shapes_and_sums(H):
+    model = GPT(tiny_cfg(residual="mhar", route_heads=H))
+    randomize_routing(model)
+    B, T = 2, 9
+    logits, loss, routing = model(torch.randint(0, 96, (B, T)), return_routing=True)
+    assert loss is None and logits.shape == (B, T, 96)
+    assert len(routing) == 2 * 2 + 1
+    for j, alpha in enumerate(routing, start=1):
+        assert alpha.shape == (j, B, T, H)
+        torch.testing.assert_close(alpha.sum(0), torch.ones(B, T, H))
+
+
+def test_generate_and_mfu():
+    model = GPT(tiny_cfg())
+    out = model.generate(torch.zeros(2, 3, dtype=torch.long), 5, temperature=0.7, top_k=5)
+    assert out.shape == (2, 8)
+    greedy = model.generate(torch.zeros(1, 40, dtype=torch.long), 2, temperature=0)   # crops to block_size
+    assert greedy.shape == (1, 42)
+    assert model.estimate_mfu(1e5, "Some Unknown Accelerator") is None
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("NVIDIA H200") == 989e12
+    assert 0 < model.estimate_mfu(1e5, "NVIDIA H200") < 1
+
+
+def test_optimizer_groups():
+    model = GPT(tiny_cfg())
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["weight_decay"] == 0.1
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), decay_all=False)
+    decay, no_decay = opt.param_groups
+    assert all(p.dim() == 2 for p in decay["params"]) and no_decay["weight_decay"] == 0
+    assert any(p is model.wte.weight for p in no_decay["params"])
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(n_embd=50, n_head=4), r"n_embd=50 must be divisible by n_head=4"),
+    (dict(n_head=4, n_kv_head=3), r"n_head=4 must be divisible by n_kv_head=3"),
+    (dict(route_heads=5), r"n_embd=48 must be divisible by route_heads=5"),
+    (dict(route_heads=0), r"route_heads=0"),
+    (dict(residual="mhar2"), r"residual='mhar2' is not one of"),
+    (dict(residual="attnres", route_heads=4), r"single-head"),
+    (dict(routing_impl="cuda"), r"routing_impl='cuda'"),
+    (dict(n_layer=0), r"n_layer=0 must be a positive integer"),
+    (dict(n_embd=36, n_head=4), r"head_dim=9 must be even"),
+])
+def test_bad_model_configs(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        tiny_cfg(**kw)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--n_layers=3"], r"unknown option 'n_layers'.*did you mean n_layer"),
+    (["--max_steps=ten"], r"max_steps='ten' has type str, expected int"),
+    (["--compile=1"], r"compile=1 has type int, expected bool"),
+    (["--lr"], r"write options as --key=value"),
+    (["--init_from=resumee"], r"init_from='resumee' is not one of"),
+    (["--n_embd=512", "--route_heads=3"], r"n_embd=512 must be divisible by route_heads=3"),
+    (["no_such_config.py"], r"config file 'no_such_config.py' not found"),
+])
+def test_bad_train_options(argv, msg):
+    with pytest.raises(ValueError, match=msg):
+        train.parse_args(argv)
+
+
+def test_train_options_parse():
+    cfg = train.parse_args([os.path.join(HERE, "config", "tiny.py"), "--lr=1e-3", "--route_heads=2", "--residual=baseline"])
+    assert cfg.lr == 1e-3 and cfg.route_heads == 2 and cfg.residual == "baseline" and cfg.n_layer == 4
+    assert isinstance(train.parse_args(["--lr=1"]).lr, float)
+    for path in glob.glob(os.path.join(HERE, "config", "*.py")):
+        train.parse_args([path])   # every shipped config is valid
+
+
+# -----------------------------------------------------------------------------
+# data preparation
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A .jsonl.xz of real English documents: the shared offline text, or Python's own docs."""
+    shared = os.path.join(SHARED, "text", "books_wiki_en_val.jsonl.xz")
+    if os.path.isfile(shared):
+        return shared
+    path = str(tmp_path_factory.mktemp("corpus") / "docs.jsonl.xz")
+    names = ["os", "re", "json", "pathlib", "collections", "itertools", "functools", "argparse", "typing",
+             "subprocess", "threading", "logging", "unittest", "email", "http.client", "urllib.request"]
+    with lzma.open(path, "wt") as f:
+        for name in names:
+            f.write(json.dumps({"text": pydoc.render_doc(name, renderer=pydoc.plaintext)}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, corpus):
+    out = str(tmp_path_factory.mktemp("data"))
+    prepare_data.prepare(input=corpus, out_dir=out, val_fraction=0.05, workers=2, force=True)
+    return out
+
+
+def read_docs(path):
+    with lzma.open(path, "rt") as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+def test_prepare_data_counts_and_round_trip(data_dir, corpus):
+    meta = json.load(open(os.path.join(data_dir, "meta.json")))
+    docs = read_docs(corpus)
+    enc = prepare_data.load_tokenizer("gpt2")
+    train_tok = np.fromfile(os.path.join(data_dir, "train.bin"), dtype=np.uint16)
+    val_tok = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16)
+    assert meta["train_tokens"] == len(train_tok) and meta["val_tokens"] == len(val_tok)
+    assert meta["train_docs"] + meta["val_docs"] == len(docs) and meta["vocab_size"] == 50257
+    val_docs, train_docs = docs[::20], [d for i, d in enumerate(docs) if i % 20]   # val_fraction 0.05
+    eot = "<|endoftext|>"
+    assert enc.decode(val_tok.tolist()) == "".join(eot + d for d in val_docs)
+    assert enc.decode(train_tok.tolist()) == "".join(eot + d for d in train_docs)
+    assert (train_tok == enc.eot_token).sum() == len(train_docs)
+
+
+def test_prepare_data_limits_and_refusals(tmp_path, corpus, data_dir):
+    out = str(tmp_path / "d")
+    meta = prepare_data.prepare(input=corpus, val_input=corpus, out_dir=out, max_tokens=5000, max_val_tokens=3000, workers=1)
+    assert meta["train_tokens"] == 5000 and meta["val_tokens"] == 3000
+    assert os.path.getsize(os.path.join(out, "train.bin")) == 10000
+    with pytest.raises(FileExistsError, match="--force"):
+        prepare_data.prepare(input=corpus, out_dir=out, workers=1)
+    meta = prepare_data.prepare(input=corpus, out_dir=out, tokenizer="cl100k_base", max_tokens=2000, workers=1, force=True)
+    assert meta["dtype"] == "uint32" and meta["train_tokens"] == 2000
+    txt = tmp_path / "texts"
+    txt.mkdir()
+    (txt / "a.txt").write_text("Hello world. " * 50)
+    (txt / "b.txt").write_text("Another document. " * 50)
+    meta = prepare_data.prepare(input=str(txt), out_dir=str(tmp_path / "t"), val_fraction=0.5, workers=1)
+    assert meta["train_docs"] == 1 and meta["val_docs"] == 1
+    with pytest.raises(FileNotFoundError):
+        prepare_data.prepare(input=str(tmp_path / "missing*.jsonl"), out_dir=str(tmp_path / "x"))
+
+
+def test_prepare_data_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")   # parquet input needs pyarrow (installed with datasets)
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["first document here"] * 30}), str(tmp_path / "x.parquet"))
+    meta = prepare_data.prepare(input=str(tmp_path / "x.parquet"), out_dir=str(tmp_path / "p"), val_fraction=0.1, workers=1)
+    assert meta["train_docs"] == 27 and meta["val_docs"] == 3
+
+
+def test_tokenizer_error_is_actionable(monkeypatch, tmp_path):
+    import tiktoken.load
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))   # empty cache
+
+    def offline(*a, **k):
+        raise ConnectionError("no network")
+    monkeypatch.setattr(tiktoken.load, "read_file", offline)
+    import tiktoken.registry
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    with pytest.raises(RuntimeError, match="TIKTOKEN_CACHE_DIR"):
+        prepare_data.load_tokenizer("o200k_base")
+
+
+# -----------------------------------------------------------------------------
+# training: runs of train.py as users run it
+
+TRAIN_ARGS = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--n_embd=64", "--ffn_hidden=128", "--block_size=64",
+              "--batch_tokens=512", "--micro_batch=4", "--lr=3e-3", "--warmup_steps=5", "--lr_decay_steps=60",
+              "--eval_tokens=2048", "--device=cpu", "--compile=False", "--residual=mhar"]
+
+
+def run_train(out_dir, data_dir, *extra, nproc=1, wait=True):
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                    "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = launcher + [os.path.join(HERE, "train.py"), f"--data_dir={data_dir}", f"--out_dir={out_dir}", *TRAIN_ARGS, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def read_log(out_dir):
+    """{step: record} for train lines and evals; a resumed run's repeated steps keep the last record."""
+    train_, evals = {}, {}
+    for line in open(os.path.join(out_dir, "log.jsonl")):
+        rec = json.loads(line)
+        (evals if "val_loss" in rec else train_)[rec["step"]] = rec
+    return train_, evals
+
+
+def test_training_loss_falls_and_sample(tmp_path, data_dir):
+    out = str(tmp_path / "o")
+    r = run_train(out, data_dir, "--max_steps=40", "--eval_interval=20")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"step 40/40 \| loss \d+\.\d+ \| lr [\d.e+-]+ \| \d+ ms \| [\d,]+ tok/s \| mfu n/a \| eta", r.stdout)
+    steps, evals = read_log(out)
+    assert sorted(evals) == [0, 20, 40] and sorted(steps) == list(range(1, 41))
+    assert set(steps[1]) == {"step", "loss", "lr", "dt_ms", "tok_per_s"} and set(evals[0]) == {"step", "val_loss"}
+    assert evals[40]["val_loss"] < evals[0]["val_loss"] - 2.0
+    assert np.mean([steps[s]["loss"] for s in range(36, 41)]) < np.mean([steps[s]["loss"] for s in range(1, 6)]) - 2.0
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 40 and not any(k.startswith(("_orig_mod", "module.")) for k in ckpt["model"])
+    model = GPT.from_checkpoint(out)
+    assert model.cfg.residual == "mhar" and model.checkpoint_info["tokenizer"] == "gpt2"
+    s = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu",
+                        "--max_new_tokens=8", "--start=The"], capture_output=True, text=True)
+    assert s.returncode == 0 and s.stdout.startswith("The"), s.stderr
+    # starting over in the same out_dir would overwrite the checkpoint: refused
+    r = run_train(out, data_dir, "--max_steps=2")
+    assert r.returncode != 0 and "--init_from=resume" in r.stderr
+
+
+def test_kill_and_resume_is_bitwise(tmp_path, data_dir):
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    r = run_train(full, data_dir, "--max_steps=60", "--eval_interval=20")
+    assert r.returncode == 0, r.stderr
+    proc = run_train(killed, data_dir, "--max_steps=60", "--eval_interval=20", wait=False)
+    log = os.path.join(killed, "log.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:   # kill mid-run, after the step-20 checkpoint
+        if os.path.exists(log) and any(json.loads(l).get("step", 0) >= 26 for l in open(log)):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    assert torch.load(os.path.join(killed, "ckpt.pt"), weights_only=False)["step"] in (20, 40)
+    r = run_train(killed, data_dir, "--max_steps=60", "--eval_interval=20", "--init_from=resume")
+    assert r.returncode == 0, r.stderr
+    a, b = read_log(full), read_log(killed)
+    assert a[0].keys() == b[0].keys() and a[1].keys() == b[1].keys()
+    assert all(a[0][s]["loss"] == b[0][s]["loss"] for s in a[0]), "resumed losses differ from the uninterrupted run"
+    assert all(a[1][s]["val_loss"] == b[1][s]["val_loss"] for s in a[1])
+    # an incompatible config is refused, naming the keys
+    r = run_train(killed, data_dir, "--max_steps=80", "--init_from=resume", "--residual=attnres", "--lr=1e-3")
+    assert r.returncode != 0 and "residual: 'mhar' -> 'attnres'" in r.stderr and "lr: 0.003 -> 0.001" in r.stderr
+
+
+def test_nonfinite_loss_stops_before_save(tmp_path, data_dir):
+    out = str(tmp_path / "nan")
+    r = run_train(out, data_dir, "--max_steps=20", "--eval_interval=1", "--lr=1e30", "--warmup_steps=1", "--grad_clip=0")
+    assert r.returncode == 2, r.stdout + r.stderr
+    bad = int(re.search(r"non-finite loss \S+ at step (\d+)", r.stdout).group(1))
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == bad - 1
+
+
+def test_ddp_two_processes_match_one(tmp_path, data_dir):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    r1 = run_train(one, data_dir, "--max_steps=12", "--eval_interval=6")
+    r2 = run_train(two, data_dir, "--max_steps=12", "--eval_interval=6", nproc=2)
+    assert r1.returncode == 0 and r2.returncode == 0, r2.stdout + r2.stderr
+    assert "2 processes x 1 micro-steps" in r2.stdout and "1 processes x 2 micro-steps" in r1.stdout
+    a, b = read_log(one), read_log(two)
+    diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
+    assert sorted(a[0]) == sorted(b[0]) and diff < 1e-4, diff
+    assert max(abs(a[1][s]["val_loss"] - b[1][s]["val_loss"]) for s in a[1]) < 1e-4

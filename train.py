@@ -1,0 +1,457 @@
+"""
+Train a GPT with any residual mode (baseline | hyper | attnres | mhar) on prepare_data.py token files.
+
+  python train.py config/tiny.py --device=cpu                      # one process
+  torchrun --standalone --nproc_per_node=8 train.py config/train_350m.py --residual=mhar
+  python train.py -h                                               # every option with its default
+
+Config: the defaults below, then config files in order (plain Python assignments), then --key=value.
+The global batch is given in tokens; gradient accumulation is derived, so 1 and N processes run the
+same optimisation. Recipe: ../shared/SPEC.md section 3 (AdamW 0.9/0.95, wd 0.1 on every parameter,
+clip 1.0, linear warmup then cosine to 0.1x, fixed validation set, tail-mean of the last 11 evals).
+"""
+import ast
+import difflib
+import inspect
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+import typing
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from model import GPT, GPTConfig
+
+
+@dataclass
+class Config:
+    # data and output
+    data_dir: str = "data/fineweb_edu"  # prepare_data.py output: train.bin, val.bin, meta.json
+    out_dir: str = "out"                # ckpt.pt (latest checkpoint) and log.jsonl
+    init_from: str = "scratch"          # scratch | resume (continue out_dir/ckpt.pt up to max_steps)
+    # model (paper Table 1, 100M shape)
+    residual: str = "mhar"              # baseline | hyper | attnres | mhar
+    route_heads: int | None = None      # MHAR heads; None = n_kv_head
+    routing_impl: str = "reference"     # reference (plain PyTorch) | fused (Triton kernel)
+    hc_streams: int = 4                 # hyper-connections: streams
+    hc_dynamic: bool = True             # hyper-connections: dynamic (True) or static
+    n_layer: int = 12                   # blocks (2 sublayers each)
+    n_head: int = 8                     # query heads
+    n_kv_head: int = 4                  # key/value heads
+    n_embd: int = 512                   # width d
+    ffn_hidden: int = 1536              # SwiGLU hidden width
+    block_size: int = 2048              # sequence length in tokens
+    rope_theta: float = 1e4             # RoPE base
+    norm_eps: float = 1e-6              # RMSNorm eps
+    # batch
+    batch_tokens: int = 131072          # global batch per optimizer step, in tokens (64 x 2048)
+    micro_batch: int = 8                # sequences per forward/backward per process
+    # optimizer and schedule
+    lr: float = 1e-3                    # peak learning rate
+    min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 1000            # linear warmup
+    lr_decay_steps: int = -1            # cosine horizon; -1 = max_steps (fix it to extend a run later)
+    max_steps: int = 20000              # optimizer steps to train (a resumed run continues up to here)
+    weight_decay: float = 0.1           # AdamW weight decay
+    decay_all: bool = True              # the paper decays every parameter; False: no decay on norms/embeddings/routing
+    beta1: float = 0.9                  # AdamW beta1
+    beta2: float = 0.95                 # AdamW beta2
+    adam_eps: float = 1e-8              # AdamW eps
+    grad_clip: float = 1.0              # global gradient-norm clip (0 = off)
+    # evaluation and logging
+    eval_interval: int = 500            # evaluate and checkpoint every this many steps (and at the end)
+    eval_tokens: int = 1048576          # fixed validation set: the first this-many tokens of val.bin
+    log_interval: int = 1               # print/log every this many steps (each print syncs the GPU)
+    # system
+    device: str = "auto"                # auto | cpu | cuda | cuda:N (torchrun: one GPU per process)
+    dtype: str = "auto"                 # compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU) | bfloat16 | float32
+    param_dtype: str = "float32"        # float32 master weights | bfloat16 (pure-bf16 model like the paper; less memory)
+    compile: bool = True                # torch.compile each sublayer (and the reference routing)
+    seed: int = 42                      # fixes initialisation and data order
+
+
+# keys that may differ when resuming (everything else must match the checkpoint)
+RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
+             "dtype", "compile", "micro_batch"}
+MODEL_KEYS = {f.name for f in fields(GPTConfig)} - {"vocab_size", "tie_embeddings"}
+
+
+def config_help():
+    """The Config block above, one option per line with its default and comment."""
+    lines = inspect.getsource(Config).splitlines()[2:]
+    return "options (python train.py [config.py ...] [--key=value ...]):\n" + "\n".join(
+        "  --" + ln.strip().replace(": ", " (", 1).replace(" = ", ") = ", 1) if not ln.strip().startswith("#") else ln
+        for ln in lines)
+
+
+def check_type(key, value):
+    """Return value if it fits Config's annotation for key, else raise a ValueError that names both."""
+    expected = typing.get_type_hints(Config)[key]
+    allowed = typing.get_args(expected) or (expected,)
+    ok = any((t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+             or (t is int and isinstance(value, int) and not isinstance(value, bool))
+             or (t is type(None) and value is None) or (t in (str, bool) and type(value) is t)
+             for t in allowed)
+    if not ok:
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+        raise ValueError(f"{key}={value!r} has type {type(value).__name__}, expected {names}")
+    return float(value) if allowed[0] is float else value
+
+
+def parse_args(argv):
+    """Defaults <- config files <- --key=value overrides, with clear errors for unknown keys and bad types."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__ + "\n" + config_help())
+        sys.exit(0)
+    cfg, known = Config(), {f.name for f in fields(Config)}
+    for arg in argv:
+        if not arg.startswith("--"):   # a config file: plain Python assignments
+            if not os.path.isfile(arg):
+                raise ValueError(f"config file {arg!r} not found")
+            scope = {}
+            exec(open(arg).read(), {}, scope)
+            items = [(k, v) for k, v in scope.items() if not k.startswith("_") and not inspect.ismodule(v)]
+            source = f"in {arg}"
+        else:
+            if "=" not in arg:
+                raise ValueError(f"{arg!r}: write options as --key=value")
+            key, raw = arg[2:].split("=", 1)
+            try:
+                val = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                val = raw              # a bare word is a string
+            items, source = [(key, val)], "on the command line"
+        for key, val in items:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=3)
+                raise ValueError(f"unknown option {key!r} {source}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+                                 + "; python train.py -h lists every option")
+            setattr(cfg, key, check_type(key, val))
+    for key, allowed in (("init_from", ("scratch", "resume")), ("dtype", ("auto", "bfloat16", "float32")),
+                         ("param_dtype", ("float32", "bfloat16"))):
+        if getattr(cfg, key) not in allowed:
+            raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
+    for key in ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens"):
+        if getattr(cfg, key) <= 0:
+            raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
+    GPTConfig(vocab_size=128, **{k: getattr(cfg, k) for k in MODEL_KEYS})   # model errors now, not after data
+    return cfg
+
+
+def git_revision():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+class TokenData:
+    """Contiguous token file cut into non-overlapping sequences of block_size (+1 for the targets).
+    Training order: a fresh permutation of all sequences every epoch, seeded by (seed, epoch); the k-th
+    sequence of the run is a pure function of k, so resume and any number of processes see the same data."""
+
+    def __init__(self, path, dtype, block_size, seed):
+        self.data = np.memmap(path, dtype=dtype, mode="r")
+        self.T, self.seed = block_size, seed
+        self.n_seq = (len(self.data) - 1) // block_size
+        if self.n_seq < 1:
+            raise ValueError(f"{path} holds {len(self.data)} tokens, fewer than block_size + 1 = {block_size + 1}")
+        self._perm_epoch, self._perm = None, None
+
+    def rows(self, starts):
+        return torch.from_numpy(np.stack([self.data[s: s + self.T + 1] for s in starts]).astype(np.int64))
+
+    def train_batch(self, first, count):
+        """Sequences first .. first+count-1 of the training order, as (count, T+1) int64."""
+        starts = []
+        for k in range(first, first + count):
+            epoch, pos = divmod(k, self.n_seq)
+            if epoch != self._perm_epoch:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_seq)
+                self._perm_epoch = epoch
+            starts.append(int(self._perm[pos]) * self.T)
+        return self.rows(starts)
+
+
+def main(argv):
+    try:
+        cfg = parse_args(argv)
+    except ValueError as e:
+        sys.exit(f"train.py: error: {e}")
+
+    # ---- processes, device, precision: decided once, printed with the reason
+    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])) if ddp else (0, 0, 1)
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and ddp:
+        device = f"cuda:{local_rank}"
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit(f"train.py: error: device={cfg.device!r} but CUDA is not available; use --device=cpu")
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if ddp:
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    master = rank == 0
+    say = print if master else (lambda *a, **k: None)
+
+    if cfg.dtype == "auto":
+        compute = "bfloat16" if device_type == "cuda" else "float32"
+        why = "bf16 autocast on CUDA" if device_type == "cuda" else "fp32 on CPU"
+    else:
+        compute, why = cfg.dtype, "requested"
+    param_dtype = getattr(torch, cfg.param_dtype)
+    autocast = (torch.autocast(device_type, dtype=getattr(torch, compute))
+                if compute != "float32" and param_dtype == torch.float32 else nullcontext())
+
+    # ---- data
+    meta_path = os.path.join(cfg.data_dir, "meta.json")
+    if not os.path.isfile(meta_path):
+        sys.exit(f"train.py: error: {meta_path} not found; run prepare_data.py --out_dir={cfg.data_dir} first")
+    meta = json.load(open(meta_path))
+    train_data = TokenData(os.path.join(cfg.data_dir, "train.bin"), meta["dtype"], cfg.block_size, cfg.seed)
+    val_data = TokenData(os.path.join(cfg.data_dir, "val.bin"), meta["dtype"], cfg.block_size, cfg.seed)
+    seqs_per_step, per_micro = cfg.batch_tokens // cfg.block_size, cfg.micro_batch * world
+    if cfg.batch_tokens % (cfg.block_size * per_micro):
+        sys.exit(f"train.py: error: batch_tokens={cfg.batch_tokens} must be a multiple of block_size * micro_batch * "
+                 f"processes = {cfg.block_size} * {cfg.micro_batch} * {world} = {cfg.block_size * per_micro}; "
+                 f"e.g. --batch_tokens={max(1, round(cfg.batch_tokens / (cfg.block_size * per_micro))) * cfg.block_size * per_micro}")
+    accum = seqs_per_step // per_micro
+    n_eval = min(val_data.n_seq, cfg.eval_tokens // cfg.block_size) // per_micro * per_micro
+    if n_eval == 0:
+        sys.exit(f"train.py: error: val.bin has {val_data.n_seq} sequences of {cfg.block_size} tokens, fewer than one "
+                 f"eval batch ({per_micro}); lower micro_batch or block_size, or prepare more validation data")
+
+    # ---- model, optimizer, resume
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    ckpt = None
+    if cfg.init_from == "resume":
+        if not os.path.isfile(ckpt_path):
+            sys.exit(f"train.py: error: --init_from=resume but {ckpt_path} does not exist")
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        old = ckpt["train_config"]
+        diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in RESUMABLE and old.get(k) != v]
+        if old.get("lr_decay_steps", -1) == -1 and cfg.lr_decay_steps == -1 and old.get("max_steps") != cfg.max_steps:
+            diff.append(f"lr_decay_steps (-1 = max_steps): {old['max_steps']} -> {cfg.max_steps}; "
+                        f"pass --lr_decay_steps={old['max_steps']} to keep the old schedule")
+        for k in ("tokenizer", "train_tokens"):
+            if ckpt["meta"].get(k) != meta.get(k):
+                diff.append(f"data {k}: {ckpt['meta'].get(k)!r} -> {meta.get(k)!r}")
+        if diff:
+            sys.exit("train.py: error: cannot resume, the config differs from the checkpoint's:\n  " + "\n  ".join(diff)
+                     + "\nuse the checkpoint's values, or a new out_dir with --init_from=scratch")
+    elif os.path.exists(ckpt_path):
+        sys.exit(f"train.py: error: {ckpt_path} already exists; continue it with --init_from=resume "
+                 "or choose another --out_dir (nothing is overwritten)")
+    elif master and os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):   # a run that died before its first checkpoint
+        kept = os.path.join(cfg.out_dir, f"log.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        os.replace(os.path.join(cfg.out_dir, "log.jsonl"), kept)
+        print(f"moved the log of an earlier run without a checkpoint to {kept}")
+
+    torch.manual_seed(cfg.seed)
+    vocab = math.ceil(meta["vocab_size"] / 128) * 128
+    try:
+        mcfg = GPTConfig(vocab_size=vocab, **{k: getattr(cfg, k) for k in MODEL_KEYS})
+    except ValueError as e:
+        sys.exit(f"train.py: error: {e}")
+    model = GPT(mcfg).to(device)
+    for p in model.parameters():   # parameters only: the RoPE tables stay fp32 with bf16 weights
+        p.data = p.data.to(param_dtype)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), cfg.adam_eps, cfg.decay_all)
+    step = 0
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step = ckpt["step"]
+        rng = ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if device_type == "cuda" and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
+        del ckpt
+    raw_model = model
+    if cfg.compile:
+        model.compile_sublayers()
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None)
+
+    # ---- log header
+    device_name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or "cpu"
+    n_params = raw_model.num_params()
+    n_extra = sum(p.numel() for n, p in raw_model.named_parameters() if n.startswith(("routes.", "hyper.")))
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    say(f"git {git_revision()} | python {platform.python_version()} | torch {torch.__version__} | triton {triton_version}"
+        f" | cuda {torch.version.cuda} | {world} x {device_name}")
+    say(f"precision: compute {compute if param_dtype == torch.float32 else cfg.param_dtype} ({why}), weights {cfg.param_dtype}")
+    say(f"model: residual={mcfg.residual} (routing heads {mcfg.heads if mcfg.residual in ('attnres', 'mhar') else '-'}, "
+        f"{mcfg.routing_impl}) | {n_params:,} parameters ({n_params - raw_model.wte.weight.numel():,} non-embedding, "
+        f"{n_extra:,} residual-mechanism) | vocab {vocab} ({meta['tokenizer']})")
+    say(f"batch: {cfg.batch_tokens:,} tokens = {world} processes x {accum} micro-steps x {cfg.micro_batch} x {cfg.block_size} | "
+        f"data {meta['train_tokens']:,} train tokens (1 epoch = {train_data.n_seq // seqs_per_step} steps), "
+        f"val {n_eval} x {cfg.block_size} tokens fixed")
+    horizon = cfg.lr_decay_steps if cfg.lr_decay_steps > 0 else cfg.max_steps
+    say(f"schedule: lr {cfg.lr:g}, warmup {cfg.warmup_steps}, cosine to {cfg.min_lr_ratio:g}x at step {horizon}; "
+        f"training steps {step} -> {cfg.max_steps}")
+    say("config: " + json.dumps(asdict(cfg)))
+    if cfg.init_from == "resume":
+        say(f"resumed from {ckpt_path} at step {step}")
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    log_path = os.path.join(cfg.out_dir, "log.jsonl")
+
+    def log(record):
+        if master:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def lr_at(s):
+        if s < cfg.warmup_steps:
+            return cfg.lr * (s + 1) / cfg.warmup_steps
+        progress = min(1.0, (s - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def to_device(rows):
+        rows = rows.pin_memory() if device_type == "cuda" else rows
+        rows = rows.to(device, non_blocking=True)
+        return rows[:, :-1], rows[:, 1:]
+
+    @torch.no_grad()
+    def evaluate():
+        total = torch.zeros(2, device=device, dtype=torch.float64)
+        for first in range(rank * cfg.micro_batch, n_eval, per_micro):
+            x, y = to_device(val_data.rows([i * cfg.block_size for i in range(first, first + cfg.micro_batch)]))
+            with autocast:
+                _, loss = raw_model(x, y)
+            total += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), device=device, dtype=torch.float64)])
+        if ddp:
+            dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def save_checkpoint():
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state(device) if device_type == "cuda" else None}
+        rngs = [None] * world
+        if ddp:
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        if master:
+            state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                     "model_config": asdict(mcfg), "train_config": asdict(cfg), "rng": rngs, "meta": meta,
+                     "tokenizer": meta["tokenizer"], "data": {"seqs_consumed": step * seqs_per_step, "seed": cfg.seed},
+                     "git": git_revision()}
+            torch.save(state, ckpt_path + ".tmp")
+            os.replace(ckpt_path + ".tmp", ckpt_path)   # atomic: a crash mid-save leaves the old checkpoint
+
+    # evals already in the log (a resumed run appends to it; the last record of a step counts)
+    evals = {}
+    if cfg.init_from == "resume" and os.path.isfile(log_path):
+        for line in open(log_path):
+            rec = json.loads(line)
+            if "val_loss" in rec and rec["step"] <= step:
+                evals[rec["step"]] = rec["val_loss"]
+
+    pending = []  # (step, loss tensor) not yet synced to the host: checked for NaN/inf before any save
+
+    def flush(t_window, n_window):
+        nonlocal pending
+        if not pending:
+            return
+        losses = torch.stack([l for _, l in pending]).tolist()
+        for (s, _), loss in zip(pending, losses):
+            if not math.isfinite(loss):
+                say(f"train.py: non-finite loss {loss} at step {s}; stopping before any save. The last checkpoint "
+                    f"({ckpt_path}) is intact. Try a lower --lr, a longer --warmup_steps, or --dtype=float32.")
+                if ddp:
+                    dist.destroy_process_group()
+                sys.exit(2)
+        s, loss = pending[-1][0], losses[-1]
+        dt = t_window / n_window
+        tok_s = cfg.batch_tokens / dt
+        if s > start_step + n_window:   # the first window holds compilation and warm-up
+            speeds.append(tok_s)
+        mfu = raw_model.estimate_mfu(tok_s / world, device_name if device_type == "cuda" else None, cfg.block_size)
+        eta = (cfg.max_steps - s) * dt
+        say(f"step {s}/{cfg.max_steps} | loss {loss:.4f} | lr {lr_at(s - 1):.2e} | {dt * 1000:.0f} ms | "
+            f"{tok_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
+            f"eta {int(eta // 3600)}h{int(eta % 3600 // 60):02d}m{int(eta % 60):02d}s")
+        log({"step": s, "loss": loss, "lr": lr_at(s - 1), "dt_ms": dt * 1000, "tok_per_s": tok_s})
+        pending = []
+
+    def peak_mem():
+        return f" | peak mem {torch.cuda.max_memory_allocated(device) / 1e9:.1f} GB" if device_type == "cuda" else ""
+
+    # ---- the loop
+    start_step = step
+    speeds = []
+    t0, n_window = time.time(), 0
+    while True:
+        last = step >= cfg.max_steps
+        if (step % cfg.eval_interval == 0 or last) and step not in evals:
+            flush(time.time() - t0, max(n_window, 1))
+            if step > start_step:
+                save_checkpoint()                      # before the eval: an eval crash loses nothing
+            val = evaluate()
+            evals[step] = val
+            tail = [evals[k] for k in sorted(evals)][-11:]
+            say(f"eval step {step} | val_loss {val:.4f} | tail-mean({len(tail)}) {sum(tail) / len(tail):.4f}{peak_mem()}")
+            log({"step": step, "val_loss": val})
+            t0, n_window = time.time(), 0
+        if last:
+            if speeds:
+                tok_s = float(np.median(speeds))
+                mfu = raw_model.estimate_mfu(tok_s / world, device_name if device_type == "cuda" else None, cfg.block_size)
+                say(f"done: step {step} | median {tok_s:,.0f} tok/s after warm-up | mfu "
+                    f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}{peak_mem()} | last val_loss {evals[max(evals)]:.4f}")
+            break
+        lr = lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            first = step * seqs_per_step + (rank * accum + micro) * cfg.micro_batch
+            x, y = to_device(train_data.train_batch(first, cfg.micro_batch))
+            sync = not ddp or micro == accum - 1           # DDP all-reduces gradients on the last micro-step only
+            with (nullcontext() if sync else model.no_sync()), autocast:
+                _, loss = model(x, y)
+                (loss / accum).backward()
+            loss_sum += loss.detach().float()
+        if ddp:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)   # the logged loss is the global-batch mean
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        n_window += 1
+        pending.append((step, loss_sum / accum))
+        if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            flush(time.time() - t0, n_window)
+            t0, n_window = time.time(), 0
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
