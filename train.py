@@ -197,7 +197,7 @@ def main(argv):
     device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and ddp:
+    if device == "cuda":
         device = f"cuda:{local_rank}"
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     if device_type == "cuda":
