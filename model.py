@@ -14,6 +14,7 @@ generation, MFU, checkpoint loading).
 """
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -277,6 +278,8 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self._route = route_reference
         self._head = self._head_impl
+        self._router = None                  # routing_kernel.FusedRouter, made on the first fused forward
+        self.checkpoint_sublayers = False    # activation checkpointing of every sublayer (never of routing)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -299,11 +302,12 @@ class GPT(nn.Module):
     def compile_sublayers(self, **kwargs):
         """torch.compile each sublayer (in place: parameter names stay clean) and the LM head + loss.
         All attention sublayers share one compiled graph, all MLPs another. The reference routing is
-        compiled on its own with dynamic shapes (one graph for every number of sources)."""
+        compiled on its own with dynamic shapes (one graph for every number of sources); fused routing calls stay
+        outside every graph (routing_kernel.FusedRouter.route is opaque to torch.compile)."""
         for sub in self.sublayers():
             sub.compile(**kwargs)
         self._head = torch.compile(self._head_impl, **kwargs)
-        if self.cfg.residual in ("attnres", "mhar") and self.cfg.routing_impl == "reference":
+        if self.cfg.residual in ("attnres", "mhar"):   # used by the reference path (and the fused path's fallback)
             self._route = torch.compile(route_reference, dynamic=True, **kwargs)
 
     def _head_impl(self, x, targets):
@@ -324,23 +328,59 @@ class GPT(nn.Module):
         mode = self.cfg.residual
         if mode == "baseline":
             for sub in subs:
-                x = x + sub(x, cos, sin)
+                x = x + self._run(sub, x, cos, sin)
         elif mode == "hyper":
             streams = x.unsqueeze(-2).expand(B, T, self.cfg.hc_streams, x.size(-1)).contiguous()
             for hc, sub in zip(self.hyper, subs):
-                streams = hc(streams, sub, cos, sin)
+                streams = hc(streams, lambda h, c, s, sub=sub: self._run(sub, h, c, s), cos, sin)
             x = streams.sum(-2)                                      # readout: sum of streams
+        elif self._fused(x) and not return_routing:
+            # routing_kernel.py keeps the depth history in one buffer; site j's input is the newest source
+            from routing_kernel import FusedRouter
+            sites = self.routing_sites()
+            x = x.to(self._act_dtype(x))
+            chain = self._router.start(x)
+            h = FusedRouter.route(chain, 1, x, sites[0].q, sites[0].g)
+            for j, sub in enumerate(subs, start=2):
+                h = FusedRouter.route(chain, j, self._run(sub, h, cos, sin), sites[j - 1].q, sites[j - 1].g)
+            x = h
         else:
-            if torch.is_autocast_enabled(x.device.type):             # sources live in the activation dtype
-                x = x.to(torch.get_autocast_dtype(x.device.type))
-            sources = [x]                                            # depth history, each (B, T, d)
+            sources = [x.to(self._act_dtype(x))]                     # depth history, each (B, T, d)
             sites = self.routing_sites()
             for site, sub in zip(sites, subs):
                 h = self._route_site(site, sources, routing, return_routing)
-                sources.append(sub(h, cos, sin))
+                sources.append(self._run(sub, h, cos, sin))
             x = self._route_site(sites[-1], sources, routing, return_routing)
         logits, loss = self._head(x, targets)
         return (logits, loss, routing) if return_routing else (logits, loss)
+
+    def _run(self, sub, h, cos, sin):
+        if self.checkpoint_sublayers and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(sub, h, cos, sin, use_reentrant=False)
+        return sub(h, cos, sin)
+
+    @staticmethod
+    def _act_dtype(x):
+        # sources live in the activation dtype: bf16 under autocast, else the embedding's dtype
+        return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+    def _fused(self, x):
+        """Use routing_kernel.py? Falls back to the reference routing, loudly, where Triton cannot run."""
+        if self.cfg.routing_impl != "fused":
+            return False
+        import routing_kernel
+        if not routing_kernel.available(x.device):
+            if not getattr(GPT, "_warned_fallback", False):
+                GPT._warned_fallback = True
+                why = "Triton is not installed" if routing_kernel.triton is None else \
+                    f"the model is on {x.device.type} (the kernels need CUDA, or TRITON_INTERPRET=1 on a CPU)"
+                print(f"*** routing_impl='fused' cannot run: {why}. Using the reference routing instead: slower "
+                      "(every site re-stacks the depth history) and O(L^2) activation memory. Set "
+                      "routing_impl='reference' to silence this. ***", file=sys.stderr)
+            return False
+        if self._router is None:
+            self._router = routing_kernel.FusedRouter(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps)
+        return True
 
     def _route_site(self, site, sources, routing, return_routing):
         stacked = torch.stack(sources)                               # sources: (N_j, B, T, d)

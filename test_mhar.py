@@ -20,6 +20,10 @@ import numpy as np
 import pytest
 import torch
 
+if not torch.cuda.is_available():   # kernels run on the CPU through Triton's interpreter (set before importing it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(HERE, "..", "shared", "data")
 if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(os.path.join(SHARED, "tiktoken_cache")):
@@ -415,3 +419,192 @@ def test_ddp_two_processes_match_one(tmp_path, data_dir):
     diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
     assert sorted(a[0]) == sorted(b[0]) and diff < 1e-4, diff
     assert max(abs(a[1][s]["val_loss"] - b[1][s]["val_loss"]) for s in a[1]) < 1e-4
+
+
+# -----------------------------------------------------------------------------
+# fused Triton routing (routing_kernel.py) against the reference
+
+import routing_kernel as rk  # noqa: E402
+
+
+def chain_grads(impl, src0, qs, gs, shift, up, H, dtype):
+    """Run N routing sites with tanh sublayers between them; return out and every gradient (float64)."""
+    N = len(qs)
+    s0 = src0.to(dtype).clone().requires_grad_(True)
+    q = [x.clone().requires_grad_(True) for x in qs]
+    g = [x.clone().requires_grad_(True) for x in gs]
+    sub = lambda j, x: torch.tanh(x) + shift[j].to(x.dtype)
+    if impl == "fused":
+        chain = rk.FusedRouter(N, H, 1e-6).start(s0)
+        out = rk._chain(lambda j, x, qq, gg: rk.FusedRouter.route(chain, j + 1, x, qq, gg), s0, q, g, sub)
+    else:
+        out = rk._chain(rk._reference_site(lambda st, qq, gg: route_reference(st, qq, gg, H)), s0, q, g, sub)
+    (out.double() * up).sum().backward()
+    return [out.detach().double(), s0.grad.double(), torch.cat([x.grad for x in q]).double(),
+            torch.cat([x.grad for x in g]).double()]
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("N,B,T,d,H", [
+    (1, 2, 5, 64, 2),      # one source: the readout of a model with no layers
+    (5, 3, 1, 96, 4),      # T = 1 (generation), d/H = 24 not a power of two
+    (7, 1, 67, 80, 5),     # tokens not a multiple of the block, d/H = 16 = d/16 (largest H)
+    (6, 2, 37, 48, 1),     # H = 1: attention residuals
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_matches_reference(N, B, T, d, H, dtype, monkeypatch):
+    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)   # many token blocks, the last one partial
+    gen = torch.Generator().manual_seed(N * 1000 + T)
+    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
+    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
+    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
+    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
+    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
+    fused = chain_grads("fused", src0, qs, gs, shift, up, H, dtype)
+    names = ["out", "d_source", "dq", "dg"]
+    if N == 1:   # one source: alpha = 1, so dq and dg are 0 by the math; the fused path may leave rounding noise
+        assert fused[2].abs().max() < 1e-5 and fused[3].abs().max() < 1e-5
+        names, fused = names[:2], fused[:2]
+    if dtype == torch.float32:
+        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
+        for name, a, b in zip(names, fused, ref):
+            assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+    else:   # bf16: no worse than 1.5x the reference's own bf16 error, both against a float64 truth
+        # the truth runs the same bf16 inputs in float64 (src0 rounded to bf16 first, like both paths see it)
+        truth = chain_grads("reference", src0.to(dtype).double(), [x.double() for x in qs], [x.double() for x in gs],
+                            [x.to(dtype).double() for x in shift], up, H, torch.float64)
+        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
+        for name, a, b, t in zip(names, fused, ref, truth):
+            assert rel_err(a, t) <= 1.5 * rel_err(b, t) + 1e-6, (name, rel_err(a, t), rel_err(b, t))
+
+
+def tiny_pair(**kw):
+    """The same tiny MHAR model with reference and fused routing, non-trivial queries."""
+    models = []
+    for impl in ("reference", "fused"):
+        torch.manual_seed(0)
+        m = GPT(tiny_cfg(routing_impl=impl, **kw)).to(DEVICE)
+        randomize_routing(m)
+        models.append(m)
+    return models
+
+
+@pytest.mark.parametrize("mode,H", [("mhar", 2), ("attnres", None), ("mhar", 3)])
+def test_fused_model_matches_reference(mode, H):
+    ref, fused = tiny_pair(residual=mode, route_heads=H)
+    idx = torch.randint(0, 96, (2, 19), device=DEVICE)
+    outs = []
+    for m in (ref, fused):
+        logits, loss = m(idx, idx)
+        loss.backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
+    for name, grad in outs[0][1].items():
+        if not grad.any():   # site 0 mixes one source: its q and g get exactly 0, the fused path rounding noise
+            assert outs[1][1][name].abs().max() < 1e-6, name
+        else:
+            assert rel_err(outs[1][1][name].double(), grad.double()) < 1e-4, name
+
+
+def test_fused_gradients_bitwise_deterministic():
+    _, fused = tiny_pair()
+    idx = torch.randint(0, 96, (3, 21), device=DEVICE)
+    grads = []
+    for _ in range(2):
+        fused.zero_grad()
+        fused(idx, idx)[1].backward()
+        grads.append([p.grad.clone() for p in fused.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_fused_composes_with_checkpointing_and_no_grad():
+    ref, fused = tiny_pair()
+    fused.checkpoint_sublayers = True
+    idx = torch.randint(0, 96, (2, 16), device=DEVICE)
+    for m in (ref, fused):
+        m(idx, idx)[1].backward()
+    for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
+        assert (b.grad - a.grad).abs().max() < 1e-6 if not a.grad.any() else rel_err(b.grad.double(), a.grad.double()) < 1e-4, name
+    with torch.no_grad():   # evaluation between a forward and its backward uses its own buffers
+        _, loss = fused(idx, idx)
+        eval_logits = fused(idx)[0]
+        loss2 = fused(idx, idx)[1]
+    torch.testing.assert_close(eval_logits, ref(idx)[0], rtol=1e-4, atol=1e-5)
+    assert torch.equal(loss, loss2)
+
+
+def test_fused_contract_errors():
+    _, fused = tiny_pair()
+    idx = torch.randint(0, 96, (2, 8), device=DEVICE)
+    _, loss = fused(idx, idx)
+    with pytest.raises(RuntimeError, match="second forward started before the first forward's backward"):
+        fused(idx, idx)
+    loss.backward()
+    _, loss = fused(idx, idx)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward already finished"):   # a second backward through one graph
+        loss.backward()
+    # a loss built from an intermediate routing output: backward starts at the wrong site
+    chain = fused._router.start(fused.wte(idx))
+    sites = fused.routing_sites()
+    x = fused.wte(idx)
+    h1 = rk.FusedRouter.route(chain, 1, x, sites[0].q, sites[0].g)
+    h2 = rk.FusedRouter.route(chain, 2, h1 * 2, sites[1].q, sites[1].g)
+    with pytest.raises(RuntimeError, match="backward reached site 2, expected"):
+        h2.sum().backward()
+    # a routing call inside activation checkpointing runs a site's forward during backward
+    fused._router.chain = None
+    chain = fused._router.start(x)
+    n = len(sites)
+
+    def checkpointed(inp, j):
+        return rk.FusedRouter.route(chain, j, inp, sites[j - 1].q, sites[j - 1].g)
+    h = checkpointed(x, 1)
+    for j in range(2, n + 1):
+        h = torch.utils.checkpoint.checkpoint(checkpointed, torch.tanh(h), j, use_reentrant=False)
+    with pytest.raises(RuntimeError, match="Activation checkpointing may wrap sublayers, never routing calls"):
+        h.sum().backward()
+
+
+def test_fused_envelope_errors():
+    with pytest.raises(ValueError, match=r"head width d/H = 48/4 = 12 is below 16"):
+        rk.check_envelope(48, 4, torch.bfloat16)
+    with pytest.raises(ValueError, match="float64.*routing_impl='reference'"):
+        rk.check_envelope(64, 2, torch.float64)
+
+
+def test_fused_falls_back_loudly_without_triton_device():
+    code = ("import torch; from model import GPT, GPTConfig; torch.manual_seed(0); "
+            "m = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, "
+            "ffn_hidden=32, routing_impl='fused')); m(torch.zeros(1, 4, dtype=torch.long)); "
+            "m(torch.zeros(1, 4, dtype=torch.long)); print('ok')")
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    assert r.stderr.count("routing_impl='fused' cannot run") == 1 and "routing_impl='reference'" in r.stderr
+
+
+def test_fused_training_curve_matches_reference(tmp_path, data_dir):
+    runs = {}
+    for impl in ("reference", "fused"):
+        out = str(tmp_path / impl)
+        r = run_train(out, data_dir, "--max_steps=30", "--eval_interval=30", f"--routing_impl={impl}", "--route_heads=2",
+                      "--batch_tokens=256")   # one micro-step per step: the CPU interpreter is slow
+        assert r.returncode == 0, r.stdout + r.stderr
+        runs[impl] = read_log(out)
+    a, b = runs["reference"], runs["fused"]
+    diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
+    assert len(a[0]) == 30 and diff < 1e-4, diff
+
+
+def test_fused_composes_with_compiled_sublayers():
+    ref, fused = tiny_pair()
+    fused.compile_sublayers()
+    idx = torch.randint(0, 96, (2, 16), device=DEVICE)
+    for m in (ref, fused):
+        m(idx, idx)[1].backward()
+    for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
+        assert (b.grad - a.grad).abs().max() < 1e-6 if not a.grad.any() else rel_err(b.grad.double(), a.grad.double()) < 1e-4, name

@@ -1,0 +1,518 @@
+"""
+Fused Triton routing for attention residuals / MHAR: the whole depth history of one forward/backward
+pass lives in one buffer, each source is read once per site forward and once per site backward.
+
+Math (SPEC section 1, the paper's routing equation). Site j = 1..N (N = 2L+1) mixes sources s_0..s_{j-1}:
+    r_n          = (mean_k s_n[k]^2 + eps)^(-1/2)          RMS over the FULL width d
+    w            = q * g                                    (the key gain folded into the query)
+    logit[n, h]  = r_n <w[h], s_n[h]>                       head h = channels [hD, (h+1)D), D = d / H
+    alpha        = softmax_n(logit),   out[h] = sum_n alpha[n, h] s_n[h]
+Backward at site j with upstream gradient G_j = dLoss/dout_j:
+    da[n, h] = <G_j[h], s_n[h]>,  c[h] = sum_n alpha[n, h] da[n, h],  dlogit[n, h] = alpha[n, h] (da[n, h] - c[h])
+    dw[h]    = sum_tokens sum_n dlogit[n, h] r_n s_n[h];   dq = dw * g,  dg = dw * q
+    ds_n     = sum_{j > n} alpha_j[n] G_j  +  r_n u  -  (r_n^2 / d) K s_n,
+               u[h] = sum_{j > n} dlogit_j[n, h] w_j[h],   K = sum_{j > n} sum_h dlogit_j[n, h] logit_j[n, h]
+    (the RMS term needs <u, s_n> over the full width; <w_j[h], s_n[h]> = logit_j[n, h] / r_n turns it into
+    the scalar K, so a program that owns one head never needs the other heads' vectors.)
+
+Order of work. Autograd sees site j as a function of the newest source s_{j-1} (its input) and q_j, g_j.
+Backward runs sites in reverse (N, N-1, ..., 1): when site j's backward runs, every later site's G is
+known, so the gradient of s_{j-1} is gathered there once, completely, and returned to autograd.
+    forward, site j   (_route_fwd):    write s_{j-1} and r_{j-1} into the buffer, online softmax over the
+                                       j sources (each tile read once), store out and the per-head
+                                       log-sum-exp (alpha is rebuilt from it: nothing per pair is saved)
+    backward, site j  (_route_bwd_site): read the j sources and G_j once; c, dlogit, dw partials;
+                                       store G_j and the per-pair scalars dlogit, dlogit*logit
+    backward, gather  (_route_bwd_gather): read s_{j-1} once and G_{j'} of every site j' >= j once;
+                                       write ds_{j-1}
+Deterministic: no atomics; dw is reduced from per-program partials in a fixed order.
+
+Layouts (M = B*T tokens, row-major, 64-bit offsets):
+    S   [N, M, d]  sources, activation dtype      R   [N, M]     fp32 RMS factors
+    W   [N, d]     fp32 w = q*g per site           LSE [N, H, M]  fp32 per-site log-sum-exp
+    GB  [N, M, d]  upstream gradients, act. dtype  DL, PK [P, H, M] fp32 per-pair dlogit and dlogit*logit,
+                                                   pair (j, n) at j(j-1)/2 + n, P = N(N+1)/2
+Dtypes: sources and gradients bf16 / fp16 / fp32; every reduction and the softmax in fp32.
+Envelope: d % H == 0, D = d/H >= 16 (any D, padded to a power of two in registers), any number of
+sources (tested to 145), M up to at least 2^21 tokens, T = 1 allowed. Outside it: ValueError.
+
+Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per token):
+    forward reads each source once per site                                  2 bytes (bf16)
+    backward site pass reads each source once per site                       2 bytes
+    backward gather reads each site's stored G once per source it mixes      2 bytes
+ => ~6 P d bytes per token (plus O(N d) for writing sources, outputs and gradients), against ~14 for a
+    kernel that reads twice in backward and read-modify-writes an fp32 gradient buffer per pair.
+    100M (d512, N25, 4096 tokens): 4.1 GB -> 0.95 ms at 4.3 TB/s.
+"""
+import os
+import sys
+import weakref
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the model falls back to the reference routing (model.py prints why)
+    triton = None
+
+TILE = 4096          # elements per [BLOCK_M, BLOCK_D] register tile (fp32 accumulators)
+# tokens per program at most; Triton's CPU interpreter runs programs one by one, so it gets big blocks
+MAX_BLOCK_M = 256 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
+
+
+def available(device):
+    """Can the fused path run for tensors on `device`? (Triton on CUDA, or the interpreter on CPU)."""
+    if triton is None:
+        return False
+    if torch.device(device).type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rounded(x, dtype: tl.constexpr):
+        """x (fp32) in dtype, rounded to nearest even. The GPU's cast already does this for bf16; Triton's CPU
+        interpreter truncates, so the bf16 rounding is spelled out to make CPU tests check what the GPU computes."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
+    @triton.jit(do_not_specialize=["j"])
+    def _route_fwd(
+        S,      # [N, M, DM] sources; slot j-1 is written here with the newest source
+        R,      # [N, M] fp32 RMS factors; slot j-1 is written here
+        NEW,    # [M, DM] the newest source s_{j-1} (this site's autograd input), contiguous
+        Q, G,   # [DM] this site's query and key gain
+        W,      # [N, DM] fp32 w = q*g; row j-1 is written here (read again by the backward gathers)
+        OUT,    # [M, DM] routed output, activation dtype
+        LSE,    # [N, H, M] fp32 log-sum-exp of the logits; row j-1 is written here
+        M, j, eps,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        h = pid % H                      # heads vary fastest: the H programs of a token block share L2 lines
+        rows = (pid // H) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows64[:, None] * DM + h * D + cols[None, :]
+        slot = (j - 1).to(tl.int64) * M * DM
+
+        # RMS factor of the newest source over the full width (every head program needs it)
+        sumsq = tl.zeros((BLOCK_M,), tl.float32)
+        for c0 in tl.static_range(0, DM, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            x = tl.load(NEW + rows64[:, None] * DM + cc[None, :], mask=rmask[:, None] & (cc[None, :] < DM), other=0.0)
+            x = x.to(tl.float32)
+            sumsq += tl.sum(x * x, axis=1)
+        r_new = 1.0 / tl.sqrt(sumsq / DM + eps)
+        tl.store(R + (j - 1).to(tl.int64) * M + rows64, r_new, mask=rmask & ((rows * 0 + h) == 0))   # one head writes r
+        s_new = tl.load(NEW + tile, mask=mask, other=0.0)
+        tl.store(S + slot + tile, s_new, mask=mask)
+
+        w = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
+            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(W + (j - 1) * DM + h * D + cols, w, mask=cmask & ((cols * 0 + pid) < H))   # token block 0 writes w
+
+        # online softmax over the older sources, then the newest one from registers
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for n in range(0, j - 1):
+            s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            logit = r * tl.sum(s * w[None, :], axis=1)
+            m_new = tl.maximum(m_i, logit)
+            scale = tl.exp(m_i - m_new)
+            p = tl.exp(logit - m_new)
+            l_i = l_i * scale + p
+            acc = acc * scale[:, None] + p[:, None] * s
+            m_i = m_new
+        s = s_new.to(tl.float32)
+        logit = r_new * tl.sum(s * w[None, :], axis=1)
+        m_new = tl.maximum(m_i, logit)
+        scale = tl.exp(m_i - m_new)
+        p = tl.exp(logit - m_new)
+        l_i = l_i * scale + p
+        acc = acc * scale[:, None] + p[:, None] * s
+        tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
+        tl.store(LSE + ((j - 1) * H + h).to(tl.int64) * M + rows64, m_new + tl.log(l_i), mask=rmask)
+
+    @triton.jit(do_not_specialize=["j"])
+    def _route_bwd_site(
+        S, R, W, LSE,   # as in _route_fwd (read)
+        GIN,            # [M, DM] upstream gradient of this site's output, contiguous
+        GB,             # [N, M, DM] upstream gradients of every site; slot j-1 is written here
+        DL, PK,         # [P, H, M] fp32 per-pair dlogit and dlogit*logit; pairs (j, 0..j-1) written here
+        PART,           # [num_token_blocks, DM] fp32 per-program partial sums of dw
+        M, j,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        h = pid % H
+        pm = pid // H
+        rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows64[:, None] * DM + h * D + cols[None, :]
+
+        g_up = tl.load(GIN + tile, mask=mask, other=0.0)
+        tl.store(GB + (j - 1).to(tl.int64) * M * DM + tile, g_up, mask=mask)
+        g_up = g_up.to(tl.float32)
+        w = tl.load(W + (j - 1) * DM + h * D + cols, mask=cmask, other=0.0)
+        lse = tl.load(LSE + ((j - 1) * H + h).to(tl.int64) * M + rows64, mask=rmask, other=0.0)
+        pair0 = j * (j - 1) // 2
+
+        # pass 1: c = sum_n alpha da, and dw = sum_n alpha r (da - c) s = P - c Q per token
+        c = tl.zeros((BLOCK_M,), tl.float32)
+        acc_p = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        acc_q = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for n in range(0, j):
+            s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            logit = r * tl.sum(s * w[None, :], axis=1)
+            alpha = tl.exp(logit - lse)
+            da = tl.sum(g_up * s, axis=1)
+            c += alpha * da
+            acc_p += (alpha * da * r)[:, None] * s
+            acc_q += (alpha * r)[:, None] * s
+            off = ((pair0 + n) * H + h).to(tl.int64) * M + rows64
+            tl.store(DL + off, da, mask=rmask)          # scratch until pass 2
+            tl.store(PK + off, logit, mask=rmask)
+        dw = tl.sum(acc_p - c[:, None] * acc_q, axis=0)
+        tl.store(PART + pm.to(tl.int64) * DM + h * D + cols, dw, mask=cmask)
+
+        tl.debug_barrier()   # pass 2 reads what other threads of this program stored in pass 1
+        for n in range(0, j):
+            off = ((pair0 + n) * H + h).to(tl.int64) * M + rows64
+            da = tl.load(DL + off, mask=rmask, other=0.0)
+            logit = tl.load(PK + off, mask=rmask, other=0.0)
+            dlogit = tl.exp(logit - lse) * (da - c)
+            tl.store(DL + off, dlogit, mask=rmask)
+            tl.store(PK + off, dlogit * logit, mask=rmask)
+
+    @triton.jit(do_not_specialize=["j", "n_sites"])
+    def _route_bwd_gather(
+        S, R, W, LSE, GB, DL, PK,   # as above (read)
+        DS,                         # [M, DM] gradient of source n = j-1, activation dtype
+        M, j, n_sites, inv_dm,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        h = pid % H
+        rows = (pid // H) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows64[:, None] * DM + h * D + cols[None, :]
+        heads = tl.arange(0, BLOCK_H)
+        n = j - 1
+
+        s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)     # sum_j' alpha_j'[n] G_j'
+        u = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)       # sum_j' dlogit_j'[n] w_j'
+        k = tl.zeros((BLOCK_M,), tl.float32)               # sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
+        for jp in range(j, n_sites + 1):                   # every site that reads source n
+            w = tl.load(W + (jp - 1) * DM + h * D + cols, mask=cmask, other=0.0)
+            lse = tl.load(LSE + ((jp - 1) * H + h).to(tl.int64) * M + rows64, mask=rmask, other=0.0)
+            alpha = tl.exp(r * tl.sum(s * w[None, :], axis=1) - lse)
+            g_up = tl.load(GB + ((jp - 1) * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+            pair = jp * (jp - 1) // 2 + n
+            dlogit = tl.load(DL + (pair * H + h).to(tl.int64) * M + rows64, mask=rmask, other=0.0)
+            pk = tl.load(PK + (pair * H + heads[:, None]).to(tl.int64) * M + rows64[None, :],
+                         mask=(heads[:, None] < H) & rmask[None, :], other=0.0)
+            k += tl.sum(pk, axis=0)
+            acc += alpha[:, None] * g_up
+            u += dlogit[:, None] * w[None, :]
+        ds = acc + r[:, None] * u - (r * r * k * inv_dm)[:, None] * s
+        tl.store(DS + tile, _rounded(ds, DS.dtype.element_ty), mask=mask)
+
+
+def _blocks(D):
+    block_d = triton.next_power_of_2(D)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":   # no registers to spare there: fewer, larger programs
+        return MAX_BLOCK_M, block_d
+    return max(1, min(MAX_BLOCK_M, TILE // block_d)), block_d
+
+
+def check_envelope(d, heads, dtype):
+    """Raise a ValueError naming the limit when the fused kernels cannot take this shape."""
+    if d % heads:
+        raise ValueError(f"fused routing: d={d} is not divisible by route_heads={heads}")
+    if d // heads < 16:
+        raise ValueError(f"fused routing: head width d/H = {d}/{heads} = {d // heads} is below 16 (H <= d/16); "
+                         "use fewer route_heads or routing_impl='reference'")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fused routing: dtype {dtype} is not supported (bf16, fp16, fp32); use routing_impl='reference'")
+
+
+class RoutingChain:
+    """The buffers and the bookkeeping of one forward/backward pass over all N sites.
+
+    Contract: sites run forward in order 1..N and backward in exact reverse order N..1, once; a second
+    forward may not start while the first one's backward is pending. Activation checkpointing may wrap
+    sublayers, never routing calls (their recomputation would run a site's forward during backward)."""
+
+    def __init__(self, n_sites, tokens, d, heads, eps, dtype, device, training):
+        check_envelope(d, heads, dtype)
+        self.N, self.M, self.d, self.H, self.D, self.eps = n_sites, tokens, d, heads, d // heads, eps
+        self.dtype, self.device, self.training = dtype, device, training
+        self.block_m, self.block_d = _blocks(self.D)
+        self.n_blocks = triton.cdiv(tokens, self.block_m)
+        N, M, H = n_sites, tokens, heads
+        self.S = torch.empty(N, M, d, dtype=dtype, device=device)
+        self.R = torch.empty(N, M, dtype=torch.float32, device=device)
+        self.W = torch.empty(N, d, dtype=torch.float32, device=device)
+        self.LSE = torch.empty(N, H, M, dtype=torch.float32, device=device)
+        if training:
+            P = N * (N + 1) // 2
+            self.GB = torch.empty(N, M, d, dtype=dtype, device=device)
+            self.DL = torch.empty(P, H, M, dtype=torch.float32, device=device)
+            self.PK = torch.empty(P, H, M, dtype=torch.float32, device=device)
+            self.PART = torch.empty(self.n_blocks, d, dtype=torch.float32, device=device)
+        self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
+
+    def matches(self, n_sites, tokens, d, heads, dtype, device):
+        return (self.N, self.M, self.d, self.H, self.dtype, self.S.device) == (n_sites, tokens, d, heads, dtype, torch.device(device))
+
+    def pending(self):
+        """True while a forward's graph is alive and its backward has not finished."""
+        return self.sentinel is not None and self.sentinel() is not None and self.next_bwd != 0
+
+    def forward_site(self, j, new_source, q, g):
+        if self.next_bwd is not None:
+            raise RuntimeError(
+                f"fused routing: site {j} ran forward after this pass's forward had finished (its backward is pending "
+                "or running). Activation checkpointing may wrap sublayers, never routing calls; or use routing_impl='reference'")
+        if j != self.next_fwd:
+            raise RuntimeError(f"fused routing: site {j} ran forward, expected site {self.next_fwd} (sites run 1..N in order)")
+        M, d = self.M, self.d
+        out = torch.empty(M, d, dtype=self.dtype, device=new_source.device)
+        _route_fwd[(self.n_blocks * self.H,)](
+            self.S, self.R, new_source, q, g, self.W, out, self.LSE, M, j, self.eps,
+            DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
+            BLOCK_C=min(1024, triton.next_power_of_2(d)))
+        self.next_fwd = j + 1
+        if j == self.N:
+            self.next_bwd = self.N
+        return out
+
+    def backward_site(self, j, grad_out, q, g):
+        if self.next_bwd != j:
+            expected = "none (the backward already finished)" if self.next_bwd == 0 else f"site {self.next_bwd}"
+            raise RuntimeError(
+                f"fused routing: backward reached site {j}, expected {expected}. Backward must run once, in exact "
+                "reverse site order, over the whole chain: a loss built from an intermediate routing output, a "
+                "second backward through the same graph, or a routing call inside activation checkpointing breaks "
+                "it. Use routing_impl='reference' for such graphs")
+        M, d = self.M, self.d
+        grad_out = grad_out.to(self.dtype).contiguous()
+        grid = (self.n_blocks * self.H,)
+        _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.DL, self.PK, self.PART,
+                              M, j, DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d)
+        ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
+        _route_bwd_gather[grid](self.S, self.R, self.W, self.LSE, self.GB, self.DL, self.PK, ds, M, j, self.N,
+                                1.0 / d, DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
+                                BLOCK_H=triton.next_power_of_2(self.H))
+        dw = self.PART.sum(0)
+        self.next_bwd = j - 1
+        return ds, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype)
+
+
+class _Sentinel:
+    pass
+
+
+class _RouteSite(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, new_source, q, g, chain, j):
+        out = chain.forward_site(j, new_source, q, g)
+        ctx.chain, ctx.j = chain, j
+        ctx.save_for_backward(q, g)
+        if j == 1:   # the graph holds the sentinel: when the graph is freed without backward, the chain is free
+            ctx.sentinel = _Sentinel()
+            chain.sentinel = weakref.ref(ctx.sentinel)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, g = ctx.saved_tensors
+        ds, dq, dg = ctx.chain.backward_site(ctx.j, grad_out, q, g)
+        return ds, dq, dg, None, None
+
+
+class FusedRouter:
+    """One per model. start() returns the chain of one forward pass (buffers reused across steps);
+    route() runs one site. Forward-only passes (torch.no_grad) get their own buffers."""
+
+    def __init__(self, n_sites, heads, eps):
+        self.N, self.H, self.eps = n_sites, heads, eps
+        self.chain = None
+
+    def start(self, x):
+        B, T, d = x.shape
+        if not torch.is_grad_enabled():
+            return RoutingChain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, training=False)
+        c = self.chain
+        if c is not None and c.pending():
+            raise RuntimeError(
+                "fused routing: a second forward started before the first forward's backward. The fused path "
+                "keeps one depth history per model: call backward first, run evaluation under torch.no_grad(), "
+                "or use routing_impl='reference'")
+        if c is None or not c.matches(self.N, B * T, d, self.H, x.dtype, x.device):
+            self.chain = c = None   # free the old buffers before allocating new ones
+            c = self.chain = RoutingChain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, training=True)
+        c.next_fwd, c.next_bwd, c.sentinel = 1, None, None
+        return c
+
+    @staticmethod
+    @torch.compiler.disable   # opaque to torch.compile: Triton launches with side effects on the chain
+    def route(chain, j, new_source, q, g):
+        """Site j of the chain; new_source (B, T, d) is s_{j-1}; returns the routed (B, T, d) input."""
+        B, T, d = new_source.shape
+        x = new_source.to(chain.dtype).reshape(B * T, d).contiguous()
+        if chain.training and torch.is_grad_enabled():
+            out = _RouteSite.apply(x, q, g, chain, j)
+        else:
+            out = chain.forward_site(j, x, q, g)
+        return out.view(B, T, d)
+
+
+# -----------------------------------------------------------------------------
+# quick check and timing: python routing_kernel.py [--bench]
+
+def _chain(route_site, source0, qs, gs, sublayer):
+    """N routing sites; source j = sublayer(j, output of site j), like a model with its sublayers."""
+    x = source0
+    for j in range(len(qs)):
+        x = route_site(j, x, qs[j], gs[j])
+        if j < len(qs) - 1:
+            x = sublayer(j, x)
+    return x
+
+
+def _reference_site(model_route):
+    hist = []
+
+    def site(j, x, q, g):
+        if j == 0:
+            hist.clear()
+        hist.append(x)
+        return model_route(torch.stack(hist), q, g)
+    return site
+
+
+def main(argv):
+    from model import route_reference
+    bench = "--bench" in argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not available("cpu"):
+        sys.exit("routing_kernel.py: no CUDA device; run with TRITON_INTERPRET=1 for the CPU interpreter")
+    torch.manual_seed(0)
+    # correctness: fused vs reference on an awkward shape, all gradients
+    shapes = [(5, 1, 33, 96, 4, torch.float32)] if device == "cpu" else [(5, 1, 33, 96, 4, torch.float32), (25, 2, 2048, 512, 4, torch.bfloat16), (73, 1, 1024, 1280, 8, torch.bfloat16)]
+    for N, B, T, d, H, dtype in shapes:
+        errs = check_against_reference(N, B, T, d, H, dtype, device)
+        print(f"check N={N} B={B} T={T} d={d} H={H} {str(dtype):15s} " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    if not bench:
+        return
+    # timing at the paper's Table 5 shapes: whole chain forward + backward
+    from triton.testing import do_bench
+    x = torch.empty(2**28, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), return_mode="median")
+    copy_bw = 2 * x.numel() * 2 / ms / 1e9
+    print(f"device-to-device copy: {copy_bw:.0f} GB/s ({torch.cuda.get_device_name()})")
+    del x, y
+    ref_compiled = torch.compile(route_reference, dynamic=True)
+    rows = []
+    for name, L, d, H, B, T in [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
+                                ("100M-train", 12, 512, 4, 8, 2048), ("1B-train", 36, 1280, 8, 2, 1024)]:
+        N = 2 * L + 1
+        pairs = N * (N + 1) // 2
+        bytes6 = 6 * pairs * B * T * d
+        for impl in ("fused", "compiled", "eager"):
+            if impl != "fused" and name.endswith("train"):
+                continue
+            t, mem = time_chain(impl, N, B, T, d, H, device, ref_compiled)
+            rows.append((name, impl, t, bytes6 / t / 1e9, mem))
+            print(f"{name:11s} {impl:9s} {t:8.2f} ms  {bytes6 / t / 1e9:7.0f} GB/s (6 B/pair-elem, {100 * bytes6 / t / 1e9 / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
+
+
+def check_against_reference(N, B, T, d, H, dtype, device):
+    """Max relative error of fused vs reference (fp32 math in both) for out and every gradient."""
+    from model import route_reference
+    gen = torch.Generator(device="cpu").manual_seed(N * 7 + d)
+    src0 = (torch.randn(B, T, d, generator=gen)).to(device=device, dtype=dtype)
+    qs = [torch.randn(d, generator=gen).to(device) * 0.5 for _ in range(N)]
+    gs = [(1 + 0.2 * torch.randn(d, generator=gen)).to(device) for _ in range(N)]
+    up = torch.randn(B, T, d, generator=gen).to(device=device, dtype=dtype)
+    shift = [torch.randn(B, T, d, generator=gen).to(device=device, dtype=dtype) for _ in range(N)]
+    sublayer = lambda j, x: torch.tanh(x) + shift[j]     # non-linear, so every gradient path matters
+    results = []
+    for impl in ("fused", "reference"):
+        s0 = src0.clone().requires_grad_(True)
+        q = [x.clone().requires_grad_(True) for x in qs]
+        g = [x.clone().requires_grad_(True) for x in gs]
+        if impl == "fused":
+            router = FusedRouter(N, H, 1e-6)
+            chain = router.start(s0)
+            out = _chain(lambda j, x, qq, gg: FusedRouter.route(chain, j + 1, x, qq, gg), s0, q, g, sublayer)
+        else:
+            out = _chain(_reference_site(lambda st, qq, gg: route_reference(st, qq, gg, H)), s0, q, g, sublayer)
+        (out.float() * up.float()).sum().backward()
+        results.append([out, s0.grad] + [x.grad for x in q] + [x.grad for x in g])
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    f, r = results
+    return {"out": rel(f[0], r[0]), "d_source0": rel(f[1], r[1]),
+            "dq": rel(torch.cat(f[2:2 + N]), torch.cat(r[2:2 + N])),     # site 1's dq is 0: compare all sites at once
+            "dg": rel(torch.cat(f[2 + N:]), torch.cat(r[2 + N:]))}
+
+
+def time_chain(impl, N, B, T, d, H, device, ref_compiled):
+    from model import route_reference
+    from triton.testing import do_bench
+    src = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    qs = [(torch.randn(d, device=device) * 0.5).requires_grad_(True) for _ in range(N)]
+    gs = [torch.ones(d, device=device, requires_grad=True) for _ in range(N)]
+    up = torch.randn(B, T, d, device=device, dtype=torch.bfloat16)
+    shift = torch.randn(B, T, d, device=device, dtype=torch.bfloat16)
+    sublayer = lambda j, x: x + shift      # cheapest sublayer that keeps the sources distinct (fwd: one add)
+    router = FusedRouter(N, H, 1e-6)
+    fn = ref_compiled if impl == "compiled" else route_reference
+
+    def step():
+        if impl == "fused":
+            chain = router.start(src)
+            out = _chain(lambda j, x, q, g: FusedRouter.route(chain, j + 1, x, q, g), src, qs, gs, sublayer)
+        else:
+            out = _chain(_reference_site(lambda st, q, g: fn(st, q, g, H)), src, qs, gs, sublayer)
+        out.backward(up)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    mem = (torch.cuda.max_memory_allocated() - base) / 1e9
+    return do_bench(step, warmup=50, rep=300, return_mode="median"), mem
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
