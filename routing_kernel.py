@@ -57,6 +57,7 @@ except ImportError:  # the model falls back to the reference routing (model.py p
     triton = None
 
 TILE = 4096          # elements per [BLOCK_M, BLOCK_D] register tile (fp32 accumulators)
+NUM_WARPS = 4        # warps per program (python routing_kernel.py --bench --tune compares settings)
 # tokens per program at most; Triton's CPU interpreter runs programs one by one, so it gets big blocks
 MAX_BLOCK_M = 256 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 
@@ -307,7 +308,7 @@ class RoutingChain:
         _route_fwd[(self.n_blocks * self.H,)](
             self.S, self.R, new_source, q, g, self.W, out, self.LSE, M, j, self.eps,
             DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
-            BLOCK_C=min(1024, triton.next_power_of_2(d)))
+            BLOCK_C=min(1024, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
         self.next_fwd = j + 1
         if j == self.N:
             self.next_bwd = self.N
@@ -325,11 +326,12 @@ class RoutingChain:
         grad_out = grad_out.to(self.dtype).contiguous()
         grid = (self.n_blocks * self.H,)
         _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.DL, self.PK, self.PART,
-                              M, j, DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d)
+                              M, j, DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
+                              num_warps=NUM_WARPS)
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
         _route_bwd_gather[grid](self.S, self.R, self.W, self.LSE, self.GB, self.DL, self.PK, ds, M, j, self.N,
                                 1.0 / d, DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
-                                BLOCK_H=triton.next_power_of_2(self.H))
+                                BLOCK_H=triton.next_power_of_2(self.H), num_warps=NUM_WARPS)
         dw = self.PART.sum(0)
         self.next_bwd = j - 1
         return ds, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype)
@@ -419,31 +421,41 @@ def _reference_site(model_route):
 
 
 def main(argv):
+    global TILE, NUM_WARPS
     from model import route_reference
-    bench = "--bench" in argv
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not available("cpu"):
         sys.exit("routing_kernel.py: no CUDA device; run with TRITON_INTERPRET=1 for the CPU interpreter")
-    torch.manual_seed(0)
-    # correctness: fused vs reference on an awkward shape, all gradients
-    shapes = [(5, 1, 33, 96, 4, torch.float32)] if device == "cpu" else [(5, 1, 33, 96, 4, torch.float32), (25, 2, 2048, 512, 4, torch.bfloat16), (73, 1, 1024, 1280, 8, torch.bfloat16)]
+    # correctness: fused vs reference, every gradient, on an awkward shape (and the paper's shapes on a GPU)
+    shapes = [(5, 1, 33, 96, 4, torch.float32)]
+    if device == "cuda":
+        shapes += [(25, 2, 2048, 512, 4, torch.bfloat16), (49, 1, 1024, 1024, 8, torch.bfloat16), (73, 1, 1024, 1280, 8, torch.bfloat16)]
     for N, B, T, d, H, dtype in shapes:
         errs = check_against_reference(N, B, T, d, H, dtype, device)
         print(f"check N={N} B={B} T={T} d={d} H={H} {str(dtype):15s} " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
-    if not bench:
+    if "--bench" not in argv or device != "cuda":
         return
-    # timing at the paper's Table 5 shapes: whole chain forward + backward
+    if "--check-large" in argv:   # 64-bit offsets: 2^21 tokens x d 1024 = 2^31 elements per source
+        print("check 2^21 tokens:", check_large(device), flush=True)
     from triton.testing import do_bench
     x = torch.empty(2**28, dtype=torch.bfloat16, device=device)
     y = torch.empty_like(x)
     ms = do_bench(lambda: y.copy_(x), return_mode="median")
     copy_bw = 2 * x.numel() * 2 / ms / 1e9
-    print(f"device-to-device copy: {copy_bw:.0f} GB/s ({torch.cuda.get_device_name()})")
+    print(f"device-to-device copy: {copy_bw:.0f} GB/s ({torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__})")
     del x, y
+    shapes = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
+              ("100M-train", 12, 512, 4, 8, 2048), ("1B-train", 36, 1280, 8, 2, 1024)]
+    if "--tune" in argv:
+        for tile, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]:
+            TILE, NUM_WARPS = tile, warps
+            for name, L, d, H, B, T in shapes[:3]:
+                t, _ = time_chain("fused", 2 * L + 1, B, T, d, H, device, None)
+                print(f"tune tile {tile:5d} warps {warps:2d} {name:5s} {t:7.2f} ms", flush=True)
+        TILE, NUM_WARPS = 4096, 4
     ref_compiled = torch.compile(route_reference, dynamic=True)
     rows = []
-    for name, L, d, H, B, T in [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
-                                ("100M-train", 12, 512, 4, 8, 2048), ("1B-train", 36, 1280, 8, 2, 1024)]:
+    for name, L, d, H, B, T in shapes:
         N = 2 * L + 1
         pairs = N * (N + 1) // 2
         bytes6 = 6 * pairs * B * T * d
@@ -451,8 +463,36 @@ def main(argv):
             if impl != "fused" and name.endswith("train"):
                 continue
             t, mem = time_chain(impl, N, B, T, d, H, device, ref_compiled)
-            rows.append((name, impl, t, bytes6 / t / 1e9, mem))
-            print(f"{name:11s} {impl:9s} {t:8.2f} ms  {bytes6 / t / 1e9:7.0f} GB/s (6 B/pair-elem, {100 * bytes6 / t / 1e9 / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
+            rows.append(dict(shape=name, impl=impl, ms=t, gbps=bytes6 / t / 1e9, copy_frac=bytes6 / t / 1e9 / copy_bw, peak_gb=mem))
+            print(f"{name:11s} {impl:9s} {t:8.2f} ms  {bytes6 / t / 1e9:7.0f} GB/s (6 B/pair-elem, "
+                  f"{100 * bytes6 / t / 1e9 / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
+    if os.environ.get("OUT"):
+        import json
+        with open(os.path.join(os.environ["OUT"], "routing_bench.json"), "w") as f:
+            json.dump({"copy_gbps": copy_bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+def check_large(device):
+    """Forward + backward over 2 sites at 2^21 tokens x d 1024 (offsets past 2^31); compare the last rows."""
+    from model import route_reference
+    M, d, H = 2**21, 1024, 8
+    src = torch.randn(1, M, d, device=device, dtype=torch.bfloat16)
+    q = [torch.randn(d, device=device) for _ in range(2)]
+    g = [torch.ones(d, device=device) for _ in range(2)]
+    s0 = src.clone().requires_grad_(True)
+    chain = FusedRouter(2, H, 1e-6).start(s0)
+    o1 = FusedRouter.route(chain, 1, s0, q[0], g[0])
+    s1 = o1 * 0.5 + 1.0
+    out = FusedRouter.route(chain, 2, s1, q[1], g[1])
+    up = torch.randn_like(out)
+    out.backward(up)
+    tail = slice(M - 4096, M)   # the last rows: their offsets are beyond 2^31 elements
+    a = src[:, tail].detach().clone().requires_grad_(True)
+    b = a * 0.5 + 1.0
+    ref = route_reference(torch.stack([a, b]), q[1], g[1], H)
+    ref.backward(up[:, tail])
+    rel = lambda x, y: ((x.float() - y.float()).norm() / y.float().norm()).item()
+    return {"out": rel(out[:, tail], ref), "d_source0": rel(s0.grad[:, tail], a.grad)}
 
 
 def check_against_reference(N, B, T, d, H, dtype, device):
@@ -504,8 +544,10 @@ def time_chain(impl, N, B, T, d, H, device, ref_compiled):
         else:
             out = _chain(_reference_site(lambda st, q, g: fn(st, q, g, H)), src, qs, gs, sublayer)
         out.backward(up)
-    step()
+    step()                      # compile
+    router.chain = None         # measure memory from scratch: the chain's buffers count
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
