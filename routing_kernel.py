@@ -58,6 +58,7 @@ except ImportError:  # the model falls back to the reference routing (model.py p
 
 TILE = 4096          # elements per [BLOCK_M, BLOCK_D] register tile (fp32 accumulators)
 NUM_WARPS = 4        # warps per program (python routing_kernel.py --bench --tune compares settings)
+STAGES = 2           # software-pipelining depth of the loops over sources (loads in flight per program)
 # tokens per program at most; Triton's CPU interpreter runs programs one by one, so it gets big blocks
 MAX_BLOCK_M = 256 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 
@@ -94,7 +95,7 @@ if triton is not None:
         LSE,    # [N, H, M] fp32 log-sum-exp of the logits; row j-1 is written here
         M, j, eps,
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
     ):
         pid = tl.program_id(0)
         h = pid % H                      # heads vary fastest: the H programs of a token block share L2 lines
@@ -127,7 +128,7 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for n in range(0, j - 1):
+        for n in tl.range(0, j - 1, num_stages=STAGES):
             s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
             r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
             logit = r * tl.sum(s * w[None, :], axis=1)
@@ -152,11 +153,12 @@ if triton is not None:
         S, R, W, LSE,   # as in _route_fwd (read)
         GIN,            # [M, DM] upstream gradient of this site's output, contiguous
         GB,             # [N, M, DM] upstream gradients of every site; slot j-1 is written here
-        DL, PK,         # [P, H, M] fp32 per-pair dlogit and dlogit*logit; pairs (j, 0..j-1) written here
+        DA, LG,         # [P, H, M] fp32 per-pair <G, s_n> and logit; pairs (j, 0..j-1) written here
+        C,              # [N, H, M] fp32 c = sum_n alpha da per site; row j-1 written here
         PART,           # [num_token_blocks, DM] fp32 per-program partial sums of dw
         M, j,
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
     ):
         pid = tl.program_id(0)
         h = pid % H
@@ -173,14 +175,17 @@ if triton is not None:
         tl.store(GB + (j - 1).to(tl.int64) * M * DM + tile, g_up, mask=mask)
         g_up = g_up.to(tl.float32)
         w = tl.load(W + (j - 1) * DM + h * D + cols, mask=cmask, other=0.0)
-        lse = tl.load(LSE + ((j - 1) * H + h).to(tl.int64) * M + rows64, mask=rmask, other=0.0)
+        site = ((j - 1) * H + h).to(tl.int64) * M + rows64
+        lse = tl.load(LSE + site, mask=rmask, other=0.0)
         pair0 = j * (j - 1) // 2
 
-        # pass 1: c = sum_n alpha da, and dw = sum_n alpha r (da - c) s = P - c Q per token
+        # one pass over the sources: c = sum_n alpha da, and dw = sum_n alpha r (da - c) s = P - c Q per token.
+        # dlogit = alpha (da - c) needs c, which is known only at the end: store da and the logit per pair and
+        # let the gathers rebuild alpha and dlogit (no second pass here).
         c = tl.zeros((BLOCK_M,), tl.float32)
         acc_p = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         acc_q = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for n in range(0, j):
+        for n in tl.range(0, j, num_stages=STAGES):
             s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
             r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
             logit = r * tl.sum(s * w[None, :], axis=1)
@@ -190,27 +195,21 @@ if triton is not None:
             acc_p += (alpha * da * r)[:, None] * s
             acc_q += (alpha * r)[:, None] * s
             off = ((pair0 + n) * H + h).to(tl.int64) * M + rows64
-            tl.store(DL + off, da, mask=rmask)          # scratch until pass 2
-            tl.store(PK + off, logit, mask=rmask)
+            tl.store(DA + off, da, mask=rmask)
+            tl.store(LG + off, logit, mask=rmask)
+        tl.store(C + site, c, mask=rmask)
         dw = tl.sum(acc_p - c[:, None] * acc_q, axis=0)
         tl.store(PART + pm.to(tl.int64) * DM + h * D + cols, dw, mask=cmask)
 
-        tl.debug_barrier()   # pass 2 reads what other threads of this program stored in pass 1
-        for n in range(0, j):
-            off = ((pair0 + n) * H + h).to(tl.int64) * M + rows64
-            da = tl.load(DL + off, mask=rmask, other=0.0)
-            logit = tl.load(PK + off, mask=rmask, other=0.0)
-            dlogit = tl.exp(logit - lse) * (da - c)
-            tl.store(DL + off, dlogit, mask=rmask)
-            tl.store(PK + off, dlogit * logit, mask=rmask)
-
-    @triton.jit(do_not_specialize=["j", "n_sites"])
+    @triton.jit(do_not_specialize=["j", "n_sites", "n_blocks"])
     def _route_bwd_gather(
-        S, R, W, LSE, GB, DL, PK,   # as above (read)
-        DS,                         # [M, DM] gradient of source n = j-1, activation dtype
-        M, j, n_sites, inv_dm,
+        S, R, W, LSE, GB, DA, LG, C, PART,   # as above (read)
+        Q, G,                                # [DM] this site's query and key gain
+        DS,                                  # [M, DM] gradient of source n = j-1, activation dtype
+        DQG,                                 # [2, DM] fp32 gradients of q and g of this site
+        M, j, n_sites, n_blocks, inv_dm,
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
     ):
         pid = tl.program_id(0)
         h = pid % H
@@ -222,6 +221,8 @@ if triton is not None:
         mask = rmask[:, None] & cmask[None, :]
         tile = rows64[:, None] * DM + h * D + cols[None, :]
         heads = tl.arange(0, BLOCK_H)
+        hmask = (heads[:, None] < H) & rmask[None, :]
+        own = heads[:, None] == h
         n = j - 1
 
         s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
@@ -229,20 +230,37 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)     # sum_j' alpha_j'[n] G_j'
         u = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)       # sum_j' dlogit_j'[n] w_j'
         k = tl.zeros((BLOCK_M,), tl.float32)               # sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
-        for jp in range(j, n_sites + 1):                   # every site that reads source n
-            w = tl.load(W + (jp - 1) * DM + h * D + cols, mask=cmask, other=0.0)
-            lse = tl.load(LSE + ((jp - 1) * H + h).to(tl.int64) * M + rows64, mask=rmask, other=0.0)
-            alpha = tl.exp(r * tl.sum(s * w[None, :], axis=1) - lse)
-            g_up = tl.load(GB + ((jp - 1) * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+        for jp in tl.range(j, n_sites + 1, num_stages=STAGES):   # every site that reads source n
+            # per-pair scalars of every head: alpha = exp(logit - lse), dlogit = alpha (da - c)
             pair = jp * (jp - 1) // 2 + n
-            dlogit = tl.load(DL + (pair * H + h).to(tl.int64) * M + rows64, mask=rmask, other=0.0)
-            pk = tl.load(PK + (pair * H + heads[:, None]).to(tl.int64) * M + rows64[None, :],
-                         mask=(heads[:, None] < H) & rmask[None, :], other=0.0)
-            k += tl.sum(pk, axis=0)
-            acc += alpha[:, None] * g_up
-            u += dlogit[:, None] * w[None, :]
+            pp = (pair * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
+            sp = ((jp - 1) * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
+            lg = tl.load(LG + pp, mask=hmask, other=0.0)
+            alpha = tl.exp(lg - tl.load(LSE + sp, mask=hmask, other=0.0))
+            dlogit = alpha * (tl.load(DA + pp, mask=hmask, other=0.0) - tl.load(C + sp, mask=hmask, other=0.0))
+            k += tl.sum(dlogit * lg, axis=0)
+            a_h = tl.sum(tl.where(own, alpha, 0.0), axis=0)
+            dl_h = tl.sum(tl.where(own, dlogit, 0.0), axis=0)
+            g_up = tl.load(GB + ((jp - 1) * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + (jp - 1) * DM + h * D + cols, mask=cmask, other=0.0)
+            acc += a_h[:, None] * g_up
+            u += dl_h[:, None] * w[None, :]
         ds = acc + r[:, None] * u - (r * r * k * inv_dm)[:, None] * s
         tl.store(DS + tile, _rounded(ds, DS.dtype.element_ty), mask=mask)
+
+        # the first token block also reduces this site's dw partials, in a fixed order: dq = dw g, dg = dw q
+        if pid < H:
+            RB: tl.constexpr = 16
+            dw = tl.zeros((BLOCK_D,), tl.float32)
+            for b0 in range(0, n_blocks, RB):
+                b = b0 + tl.arange(0, RB)
+                part = tl.load(PART + b.to(tl.int64)[:, None] * DM + h * D + cols[None, :],
+                               mask=(b[:, None] < n_blocks) & cmask[None, :], other=0.0)
+                dw += tl.sum(part, axis=0)
+            q = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            g = tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            tl.store(DQG + h * D + cols, dw * g, mask=cmask)
+            tl.store(DQG + DM + h * D + cols, dw * q, mask=cmask)
 
 
 def _blocks(D):
@@ -284,8 +302,9 @@ class RoutingChain:
         if training:
             P = N * (N + 1) // 2
             self.GB = torch.empty(N, M, d, dtype=dtype, device=device)
-            self.DL = torch.empty(P, H, M, dtype=torch.float32, device=device)
-            self.PK = torch.empty(P, H, M, dtype=torch.float32, device=device)
+            self.DA = torch.empty(P, H, M, dtype=torch.float32, device=device)
+            self.LG = torch.empty(P, H, M, dtype=torch.float32, device=device)
+            self.C = torch.empty(N, H, M, dtype=torch.float32, device=device)
             self.PART = torch.empty(self.n_blocks, d, dtype=torch.float32, device=device)
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
@@ -308,7 +327,7 @@ class RoutingChain:
         _route_fwd[(self.n_blocks * self.H,)](
             self.S, self.R, new_source, q, g, self.W, out, self.LSE, M, j, self.eps,
             DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
-            BLOCK_C=min(1024, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
+            BLOCK_C=min(1024, triton.next_power_of_2(d)), STAGES=STAGES, num_warps=NUM_WARPS)
         self.next_fwd = j + 1
         if j == self.N:
             self.next_bwd = self.N
@@ -323,18 +342,20 @@ class RoutingChain:
                 "second backward through the same graph, or a routing call inside activation checkpointing breaks "
                 "it. Use routing_impl='reference' for such graphs")
         M, d = self.M, self.d
-        grad_out = grad_out.to(self.dtype).contiguous()
+        if grad_out.dtype != self.dtype or not grad_out.is_contiguous():
+            grad_out = grad_out.to(self.dtype).contiguous()
         grid = (self.n_blocks * self.H,)
-        _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.DL, self.PK, self.PART,
+        _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.DA, self.LG, self.C, self.PART,
                               M, j, DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
-                              num_warps=NUM_WARPS)
+                              STAGES=STAGES, num_warps=NUM_WARPS)
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
-        _route_bwd_gather[grid](self.S, self.R, self.W, self.LSE, self.GB, self.DL, self.PK, ds, M, j, self.N,
-                                1.0 / d, DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
-                                BLOCK_H=triton.next_power_of_2(self.H), num_warps=NUM_WARPS)
-        dw = self.PART.sum(0)
+        dqg = torch.empty(2, d, dtype=torch.float32, device=grad_out.device)
+        _route_bwd_gather[grid](self.S, self.R, self.W, self.LSE, self.GB, self.DA, self.LG, self.C, self.PART, q, g,
+                                ds, dqg, M, j, self.N, self.n_blocks, 1.0 / d, DM=d, H=self.H, D=self.D,
+                                BLOCK_M=self.block_m, BLOCK_D=self.block_d, BLOCK_H=triton.next_power_of_2(self.H),
+                                STAGES=STAGES, num_warps=NUM_WARPS)
         self.next_bwd = j - 1
-        return ds, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype)
+        return ds, dqg[0].to(q.dtype), dqg[1].to(g.dtype)
 
 
 class _Sentinel:
@@ -441,31 +462,43 @@ def main(argv):
     x = torch.empty(2**28, dtype=torch.bfloat16, device=device)
     y = torch.empty_like(x)
     ms = do_bench(lambda: y.copy_(x), return_mode="median")
-    copy_bw = 2 * x.numel() * 2 / ms / 1e9
+    copy_bw = 2 * x.numel() * 2 / ms / 1e6     # GB/s: bytes read + written over milliseconds
     print(f"device-to-device copy: {copy_bw:.0f} GB/s ({torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__})")
     del x, y
     shapes = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
               ("100M-train", 12, 512, 4, 8, 2048), ("1B-train", 36, 1280, 8, 2, 1024)]
-    if "--tune" in argv:
-        for tile, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]:
-            TILE, NUM_WARPS = tile, warps
+    if "--tune" in argv:   # GPU time (CUDA graph replay) of the fused chain per setting
+        global STAGES
+        best = {}
+        for tile, warps, stages in [(2048, 4, 1), (2048, 4, 2), (4096, 4, 1), (4096, 4, 2), (4096, 4, 3), (4096, 8, 2), (8192, 8, 2)]:
+            TILE, NUM_WARPS, STAGES = tile, warps, stages
+            line = []
             for name, L, d, H, B, T in shapes[:3]:
-                t, _ = time_chain("fused", 2 * L + 1, B, T, d, H, device, None)
-                print(f"tune tile {tile:5d} warps {warps:2d} {name:5s} {t:7.2f} ms", flush=True)
-        TILE, NUM_WARPS = 4096, 4
+                t = time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0]
+                line.append(f"{name} {t:6.2f} ms")
+                best.setdefault(name, []).append((t, tile, warps, stages))
+            print(f"tune tile {tile:5d} warps {warps:2d} stages {stages}: " + " | ".join(line), flush=True)
+        print("best:", {k: min(v) for k, v in best.items()})
+        TILE, NUM_WARPS, STAGES = 4096, 4, 2
     ref_compiled = torch.compile(route_reference, dynamic=True)
     rows = []
     for name, L, d, H, B, T in shapes:
         N = 2 * L + 1
         pairs = N * (N + 1) // 2
         bytes6 = 6 * pairs * B * T * d
-        for impl in ("fused", "compiled", "eager"):
-            if impl != "fused" and name.endswith("train"):
+        for impl in ("fused", "fused-graph", "compiled", "eager"):
+            if impl in ("compiled", "eager") and name.endswith("train"):
                 continue
-            t, mem = time_chain(impl, N, B, T, d, H, device, ref_compiled)
-            rows.append(dict(shape=name, impl=impl, ms=t, gbps=bytes6 / t / 1e9, copy_frac=bytes6 / t / 1e9 / copy_bw, peak_gb=mem))
-            print(f"{name:11s} {impl:9s} {t:8.2f} ms  {bytes6 / t / 1e9:7.0f} GB/s (6 B/pair-elem, "
-                  f"{100 * bytes6 / t / 1e9 / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
+            t, mem = time_chain(impl.split("-")[0], N, B, T, d, H, device, ref_compiled, graph=impl.endswith("graph"))
+            gbps = bytes6 / t / 1e6
+            rows.append(dict(shape=name, impl=impl, ms=t, gbps=gbps, copy_frac=gbps / copy_bw, peak_gb=mem))
+            print(f"{name:11s} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s (6 B/pair-elem, {100 * gbps / copy_bw:4.1f}% of copy)"
+                  f"  peak {mem:.2f} GB", flush=True)
+        if not name.endswith("train"):
+            try:
+                print(f"{name:11s} fused kernels (profiler, ms): {profile_chain(N, B, T, d, H, device)}", flush=True)
+            except Exception as e:   # the profiler's event fields move between torch versions
+                print(f"profiler failed: {e!r}")
     if os.environ.get("OUT"):
         import json
         with open(os.path.join(os.environ["OUT"], "routing_bench.json"), "w") as f:
@@ -525,7 +558,39 @@ def check_against_reference(N, B, T, d, H, dtype, device):
             "dg": rel(torch.cat(f[2 + N:]), torch.cat(r[2 + N:]))}
 
 
-def time_chain(impl, N, B, T, d, H, device, ref_compiled):
+def profile_chain(N, B, T, d, H, device):
+    """GPU time per kernel over one fused chain forward + backward."""
+    from torch.profiler import ProfilerActivity, profile
+    step = _fused_step(N, B, T, d, H, device)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    total = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            key = next((k for k in ("_route_fwd", "_route_bwd_site", "_route_bwd_gather") if k in e.key), "other")
+            total[key] = total.get(key, 0.0) + t / 1e3
+    return {k: round(v, 3) for k, v in sorted(total.items())}
+
+
+def _fused_step(N, B, T, d, H, device):
+    src = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    qs = [(torch.randn(d, device=device) * 0.5).requires_grad_(True) for _ in range(N)]
+    gs = [torch.ones(d, device=device, requires_grad=True) for _ in range(N)]
+    up = torch.randn(B, T, d, device=device, dtype=torch.bfloat16)
+    shift = torch.randn(B, T, d, device=device, dtype=torch.bfloat16)
+    router = FusedRouter(N, H, 1e-6)
+
+    def step():
+        chain = router.start(src)
+        _chain(lambda j, x, q, g: FusedRouter.route(chain, j + 1, x, q, g), src, qs, gs, lambda j, x: x + shift).backward(up)
+    return step
+
+
+def time_chain(impl, N, B, T, d, H, device, ref_compiled, graph=False):
     from model import route_reference
     from triton.testing import do_bench
     src = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -553,6 +618,17 @@ def time_chain(impl, N, B, T, d, H, device, ref_compiled):
     step()
     torch.cuda.synchronize()
     mem = (torch.cuda.max_memory_allocated() - base) / 1e9
+    if graph:   # GPU time alone: replay the whole chain from a CUDA graph (no Python, no launch gaps)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            step()
+        return do_bench(cuda_graph.replay, warmup=50, rep=300, return_mode="median"), mem
     return do_bench(step, warmup=50, rep=300, return_mode="median"), mem
 
 

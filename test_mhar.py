@@ -465,8 +465,9 @@ def test_fused_routing_matches_reference(N, B, T, d, H, dtype, monkeypatch):
     up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
     fused = chain_grads("fused", src0, qs, gs, shift, up, H, dtype)
     names = ["out", "d_source", "dq", "dg"]
-    if N == 1:   # one source: alpha = 1, so dq and dg are 0 by the math; the fused path may leave rounding noise
-        assert fused[2].abs().max() < 1e-5 and fused[3].abs().max() < 1e-5
+    if N == 1:   # one source: alpha = 1, so dq and dg are 0 by the math; the fused path leaves rounding noise
+        scale = fused[1].abs().max() * B * T          # (exp(logit - lse) is 1 only up to a few ulp on a GPU)
+        assert fused[2].abs().max() < 1e-6 * scale and fused[3].abs().max() < 1e-6 * scale
         names, fused = names[:2], fused[:2]
     if dtype == torch.float32:
         ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
@@ -502,11 +503,19 @@ def test_fused_model_matches_reference(mode, H):
         loss.backward()
         outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
     assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
-    for name, grad in outs[0][1].items():
-        if not grad.any():   # site 0 mixes one source: its q and g get exactly 0, the fused path rounding noise
-            assert outs[1][1][name].abs().max() < 1e-6, name
-        else:
-            assert rel_err(outs[1][1][name].double(), grad.double()) < 1e-4, name
+    assert_grads_close(outs[1][1], outs[0][1])
+
+
+def assert_grads_close(fused, ref, tol=1e-4):
+    """Every parameter gradient; the routing q and g of all sites compared as one vector each (site 0 mixes
+    one source, so its q and g get exactly 0 in the reference and rounding noise in the fused path)."""
+    for name, grad in ref.items():
+        if not name.startswith("routes."):
+            assert rel_err(fused[name].double(), grad.double()) < tol, name
+    for p in ("q", "g"):
+        names = [n for n in ref if n.startswith("routes.") and n.endswith("." + p)]
+        a, b = torch.cat([fused[n] for n in names]), torch.cat([ref[n] for n in names])
+        assert rel_err(a.double(), b.double()) < tol, p
 
 
 def test_fused_gradients_bitwise_deterministic():
@@ -526,8 +535,7 @@ def test_fused_composes_with_checkpointing_and_no_grad():
     idx = torch.randint(0, 96, (2, 16), device=DEVICE)
     for m in (ref, fused):
         m(idx, idx)[1].backward()
-    for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
-        assert (b.grad - a.grad).abs().max() < 1e-6 if not a.grad.any() else rel_err(b.grad.double(), a.grad.double()) < 1e-4, name
+    assert_grads_close({n: p.grad for n, p in fused.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
     with torch.no_grad():   # evaluation between a forward and its backward uses its own buffers
         _, loss = fused(idx, idx)
         eval_logits = fused(idx)[0]
@@ -606,5 +614,4 @@ def test_fused_composes_with_compiled_sublayers():
     idx = torch.randint(0, 96, (2, 16), device=DEVICE)
     for m in (ref, fused):
         m(idx, idx)[1].backward()
-    for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
-        assert (b.grad - a.grad).abs().max() < 1e-6 if not a.grad.any() else rel_err(b.grad.double(), a.grad.double()) < 1e-4, name
+    assert_grads_close({n: p.grad for n, p in fused.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
