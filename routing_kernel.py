@@ -44,6 +44,7 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
     kernel that reads twice in backward and read-modify-writes an fp32 gradient buffer per pair.
     100M (d512, N25, 4096 tokens): 4.1 GB -> 0.95 ms at 4.3 TB/s.
 """
+import math
 import os
 import sys
 import weakref
@@ -56,9 +57,9 @@ try:
 except ImportError:  # the model falls back to the reference routing (model.py prints why)
     triton = None
 
-TILE = 4096          # elements per [BLOCK_M, BLOCK_D] register tile (fp32 accumulators)
-NUM_WARPS = 4        # warps per program (python routing_kernel.py --bench --tune compares settings)
-STAGES = 2           # software-pipelining depth of the loops over sources (loads in flight per program)
+# per kernel: (elements per [BLOCK_M, BLOCK_D] register tile, warps per program, software-pipelining depth of
+# the loop over sources). Chosen with python routing_kernel.py --bench --tune on an H200 (BENCHMARKS.md).
+CONFIG = {"fwd": (4096, 4, 3), "site": (4096, 4, 3), "gather": (4096, 4, 3)}
 # tokens per program at most; Triton's CPU interpreter runs programs one by one, so it gets big blocks
 MAX_BLOCK_M = 256 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 
@@ -263,11 +264,10 @@ if triton is not None:
             tl.store(DQG + DM + h * D + cols, dw * q, mask=cmask)
 
 
-def _blocks(D):
-    block_d = triton.next_power_of_2(D)
+def _block_m(tile, block_d):
     if os.environ.get("TRITON_INTERPRET", "0") == "1":   # no registers to spare there: fewer, larger programs
-        return MAX_BLOCK_M, block_d
-    return max(1, min(MAX_BLOCK_M, TILE // block_d)), block_d
+        return MAX_BLOCK_M
+    return max(1, min(MAX_BLOCK_M, tile // block_d))
 
 
 def check_envelope(d, heads, dtype):
@@ -292,8 +292,12 @@ class RoutingChain:
         check_envelope(d, heads, dtype)
         self.N, self.M, self.d, self.H, self.D, self.eps = n_sites, tokens, d, heads, d // heads, eps
         self.dtype, self.device, self.training = dtype, device, training
-        self.block_m, self.block_d = _blocks(self.D)
-        self.n_blocks = triton.cdiv(tokens, self.block_m)
+        self.block_d = triton.next_power_of_2(self.D)
+        self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages)
+        for name, (tile, warps, stages) in CONFIG.items():
+            bm = _block_m(tile, self.block_d)
+            self.launch[name] = ((triton.cdiv(tokens, bm) * heads,), bm, warps, stages)
+        self.n_blocks = triton.cdiv(tokens, self.launch["site"][1])   # token blocks of the dw partials
         N, M, H = n_sites, tokens, heads
         self.S = torch.empty(N, M, d, dtype=dtype, device=device)
         self.R = torch.empty(N, M, dtype=torch.float32, device=device)
@@ -324,10 +328,10 @@ class RoutingChain:
             raise RuntimeError(f"fused routing: site {j} ran forward, expected site {self.next_fwd} (sites run 1..N in order)")
         M, d = self.M, self.d
         out = torch.empty(M, d, dtype=self.dtype, device=new_source.device)
-        _route_fwd[(self.n_blocks * self.H,)](
-            self.S, self.R, new_source, q, g, self.W, out, self.LSE, M, j, self.eps,
-            DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
-            BLOCK_C=min(1024, triton.next_power_of_2(d)), STAGES=STAGES, num_warps=NUM_WARPS)
+        grid, bm, warps, stages = self.launch["fwd"]
+        _route_fwd[grid](self.S, self.R, new_source, q, g, self.W, out, self.LSE, M, j, self.eps,
+                         DM=d, H=self.H, D=self.D, BLOCK_M=bm, BLOCK_D=self.block_d,
+                         BLOCK_C=min(1024, triton.next_power_of_2(d)), STAGES=stages, num_warps=warps)
         self.next_fwd = j + 1
         if j == self.N:
             self.next_bwd = self.N
@@ -344,16 +348,17 @@ class RoutingChain:
         M, d = self.M, self.d
         if grad_out.dtype != self.dtype or not grad_out.is_contiguous():
             grad_out = grad_out.to(self.dtype).contiguous()
-        grid = (self.n_blocks * self.H,)
+        grid, bm, warps, stages = self.launch["site"]
         _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.DA, self.LG, self.C, self.PART,
-                              M, j, DM=d, H=self.H, D=self.D, BLOCK_M=self.block_m, BLOCK_D=self.block_d,
-                              STAGES=STAGES, num_warps=NUM_WARPS)
+                              M, j, DM=d, H=self.H, D=self.D, BLOCK_M=bm, BLOCK_D=self.block_d,
+                              STAGES=stages, num_warps=warps)
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
         dqg = torch.empty(2, d, dtype=torch.float32, device=grad_out.device)
+        grid, bm, warps, stages = self.launch["gather"]
         _route_bwd_gather[grid](self.S, self.R, self.W, self.LSE, self.GB, self.DA, self.LG, self.C, self.PART, q, g,
                                 ds, dqg, M, j, self.N, self.n_blocks, 1.0 / d, DM=d, H=self.H, D=self.D,
-                                BLOCK_M=self.block_m, BLOCK_D=self.block_d, BLOCK_H=triton.next_power_of_2(self.H),
-                                STAGES=STAGES, num_warps=NUM_WARPS)
+                                BLOCK_M=bm, BLOCK_D=self.block_d, BLOCK_H=triton.next_power_of_2(self.H),
+                                STAGES=stages, num_warps=warps)
         self.next_bwd = j - 1
         return ds, dqg[0].to(q.dtype), dqg[1].to(g.dtype)
 
@@ -442,7 +447,6 @@ def _reference_site(model_route):
 
 
 def main(argv):
-    global TILE, NUM_WARPS
     from model import route_reference
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not available("cpu"):
@@ -467,19 +471,28 @@ def main(argv):
     del x, y
     shapes = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
               ("100M-train", 12, 512, 4, 8, 2048), ("1B-train", 36, 1280, 8, 2, 1024)]
-    if "--tune" in argv:   # GPU time (CUDA graph replay) of the fused chain per setting
-        global STAGES
-        best = {}
-        for tile, warps, stages in [(2048, 4, 1), (2048, 4, 2), (4096, 4, 1), (4096, 4, 2), (4096, 4, 3), (4096, 8, 2), (8192, 8, 2)]:
-            TILE, NUM_WARPS, STAGES = tile, warps, stages
-            line = []
-            for name, L, d, H, B, T in shapes[:3]:
-                t = time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0]
-                line.append(f"{name} {t:6.2f} ms")
-                best.setdefault(name, []).append((t, tile, warps, stages))
-            print(f"tune tile {tile:5d} warps {warps:2d} stages {stages}: " + " | ".join(line), flush=True)
-        print("best:", {k: min(v) for k, v in best.items()})
-        TILE, NUM_WARPS, STAGES = 4096, 4, 2
+    if "--tune" in argv:   # coordinate descent over each kernel's (tile, warps, stages), on GPU time (graph replay)
+        candidates = [(1024, 2, 3), (2048, 4, 3), (2048, 4, 4), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3)]
+        for kernel in ("site", "gather", "fwd"):
+            results = []
+            for cand in candidates:
+                CONFIG[kernel] = cand
+                times = [time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0] for _, L, d, H, B, T in shapes[:3]]
+                results.append((math.prod(times) ** (1 / 3), cand, times))
+                print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: "
+                      + " | ".join(f"{s[0]} {t:6.2f} ms" for s, t in zip(shapes, times)), flush=True)
+            CONFIG[kernel] = min(results)[1]
+        print("tuned CONFIG =", CONFIG, flush=True)
+    if "--cpu-profile" in argv:   # where the eager chain's host time goes (100M shape)
+        from torch.profiler import ProfilerActivity, profile
+        step = _fused_step(25, 2, 2048, 512, 4, device)
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
     ref_compiled = torch.compile(route_reference, dynamic=True)
     rows = []
     for name, L, d, H, B, T in shapes:

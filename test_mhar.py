@@ -467,7 +467,7 @@ def test_fused_routing_matches_reference(N, B, T, d, H, dtype, monkeypatch):
     names = ["out", "d_source", "dq", "dg"]
     if N == 1:   # one source: alpha = 1, so dq and dg are 0 by the math; the fused path leaves rounding noise
         scale = fused[1].abs().max() * B * T          # (exp(logit - lse) is 1 only up to a few ulp on a GPU)
-        assert fused[2].abs().max() < 1e-6 * scale and fused[3].abs().max() < 1e-6 * scale
+        assert fused[2].abs().max() < 1e-5 * scale and fused[3].abs().max() < 1e-5 * scale
         names, fused = names[:2], fused[:2]
     if dtype == torch.float32:
         ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
