@@ -59,7 +59,7 @@ except ImportError:  # the model falls back to the reference routing (model.py p
 
 # per kernel: (elements per [BLOCK_M, BLOCK_D] register tile, warps per program, software-pipelining depth of
 # the loop over sources). Chosen with python routing_kernel.py --bench --tune on an H200 (BENCHMARKS.md).
-CONFIG = {"fwd": (4096, 4, 3), "site": (4096, 4, 3), "gather": (4096, 4, 3)}
+CONFIG = {"fwd": (4096, 4, 4), "site": (8192, 8, 3), "gather": (1024, 2, 3)}
 # tokens per program at most; Triton's CPU interpreter runs programs one by one, so it gets big blocks
 MAX_BLOCK_M = 256 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 
