@@ -76,12 +76,13 @@ class Config:
     dtype: str = "auto"                 # compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU) | bfloat16 | float32
     param_dtype: str = "float32"        # float32 master weights | bfloat16 (pure-bf16 model like the paper; less memory)
     compile: bool = True                # torch.compile each sublayer (and the reference routing)
+    activation_checkpointing: bool = False  # recompute each sublayer in backward: less memory, ~1/3 more compute
     seed: int = 42                      # fixes initialisation and data order
 
 
 # keys that may differ when resuming (everything else must match the checkpoint)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
-             "dtype", "compile", "micro_batch"}
+             "dtype", "compile", "micro_batch", "activation_checkpointing"}
 MODEL_KEYS = {f.name for f in fields(GPTConfig)} - {"vocab_size", "tie_embeddings"}
 
 
@@ -287,6 +288,7 @@ def main(argv):
             torch.cuda.set_rng_state(rng["cuda"])
         del ckpt
     raw_model = model
+    model.checkpoint_sublayers = cfg.activation_checkpointing
     if cfg.compile:
         model.compile_sublayers()
     if ddp:
