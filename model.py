@@ -15,7 +15,7 @@ generation, MFU, checkpoint loading).
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -451,6 +451,3 @@ class GPT(nn.Module):
         model.load_state_dict(ckpt["model"])
         model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
         return model.to(device)
-
-    def config_dict(self):
-        return asdict(self.cfg)

@@ -89,6 +89,30 @@ if triton is not None:
             x = bits.to(tl.float32, bitcast=True)
         return x.to(dtype)
 
+    @triton.jit
+    def _head_tile(M, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's head h and token block pm (heads vary fastest: the H programs of a token block
+        share L2 lines), the masks of its [BLOCK_M, BLOCK_D] tile and the tile's offsets in an [M, DM] row-major
+        matrix (64-bit: M * DM may pass 2^31)."""
+        pid = tl.program_id(0)
+        h = pid % H
+        pm = pid // H
+        rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        return h, pm, rows64, cols, rmask, cmask, rmask[:, None] & cmask[None, :], rows64[:, None] * DM + h * D + cols[None, :]
+
+    @triton.jit
+    def _online_softmax_step(m_i, l_i, acc, s, r, w):
+        """Add source s (tile, fp32) with RMS factor r to the running max m_i, denominator l_i and mix acc."""
+        logit = r * tl.sum(s * w[None, :], axis=1)
+        m_new = tl.maximum(m_i, logit)
+        scale = tl.exp(m_i - m_new)
+        p = tl.exp(logit - m_new)
+        return m_new, l_i * scale + p, acc * scale[:, None] + p[:, None] * s
+
     @triton.jit(do_not_specialize=["j"])
     def _route_fwd(
         S,      # [N, M, DM] sources; slot j-1 is written here with the newest source
@@ -102,15 +126,7 @@ if triton is not None:
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        h = pid % H                      # heads vary fastest: the H programs of a token block share L2 lines
-        rows = (pid // H) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        mask = rmask[:, None] & cmask[None, :]
-        tile = rows64[:, None] * DM + h * D + cols[None, :]
+        h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
         slot = (j - 1).to(tl.int64) * M * DM
 
         # RMS factor of the newest source over the full width (every head program needs it)
@@ -121,13 +137,13 @@ if triton is not None:
             x = x.to(tl.float32)
             sumsq += tl.sum(x * x, axis=1)
         r_new = 1.0 / tl.sqrt(sumsq / DM + eps)
-        tl.store(R + (j - 1).to(tl.int64) * M + rows64, r_new, mask=rmask & ((rows * 0 + h) == 0))   # one head writes r
+        tl.store(R + (j - 1).to(tl.int64) * M + rows64, r_new, mask=rmask & ((rows64 * 0 + h) == 0))   # one head writes r
         s_new = tl.load(NEW + tile, mask=mask, other=0.0)
         tl.store(S + slot + tile, s_new, mask=mask)
 
         w = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
             tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(W + (j - 1) * DM + h * D + cols, w, mask=cmask & ((cols * 0 + pid) < H))   # token block 0 writes w
+        tl.store(W + (j - 1) * DM + h * D + cols, w, mask=cmask & ((cols * 0 + pm) == 0))   # token block 0 writes w
 
         # online softmax over the older sources, then the newest one from registers
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -136,22 +152,10 @@ if triton is not None:
         for n in tl.range(0, j - 1, num_stages=STAGES):
             s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
             r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
-            logit = r * tl.sum(s * w[None, :], axis=1)
-            m_new = tl.maximum(m_i, logit)
-            scale = tl.exp(m_i - m_new)
-            p = tl.exp(logit - m_new)
-            l_i = l_i * scale + p
-            acc = acc * scale[:, None] + p[:, None] * s
-            m_i = m_new
-        s = s_new.to(tl.float32)
-        logit = r_new * tl.sum(s * w[None, :], axis=1)
-        m_new = tl.maximum(m_i, logit)
-        scale = tl.exp(m_i - m_new)
-        p = tl.exp(logit - m_new)
-        l_i = l_i * scale + p
-        acc = acc * scale[:, None] + p[:, None] * s
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s_new.to(tl.float32), r_new, w)
         tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
-        tl.store(LSE + ((j - 1) * H + h).to(tl.int64) * M + rows64, m_new + tl.log(l_i), mask=rmask)
+        tl.store(LSE + ((j - 1) * H + h).to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
 
     @triton.jit(do_not_specialize=["j"])
     def _route_bwd_site(
@@ -165,17 +169,7 @@ if triton is not None:
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        h = pid % H
-        pm = pid // H
-        rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        mask = rmask[:, None] & cmask[None, :]
-        tile = rows64[:, None] * DM + h * D + cols[None, :]
-
+        h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
         g_up = tl.load(GIN + tile, mask=mask, other=0.0)
         tl.store(GB + (j - 1).to(tl.int64) * M * DM + tile, g_up, mask=mask)
         g_up = g_up.to(tl.float32)
@@ -216,15 +210,7 @@ if triton is not None:
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        h = pid % H
-        rows = (pid // H) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        mask = rmask[:, None] & cmask[None, :]
-        tile = rows64[:, None] * DM + h * D + cols[None, :]
+        h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
         heads = tl.arange(0, BLOCK_H)
         hmask = (heads[:, None] < H) & rmask[None, :]
         own = heads[:, None] == h
@@ -254,7 +240,7 @@ if triton is not None:
         tl.store(DS + tile, _rounded(ds, DS.dtype.element_ty), mask=mask)
 
         # the first token block also reduces this site's dw partials, in a fixed order: dq = dw g, dg = dw q
-        if pid < H:
+        if pm == 0:
             RB: tl.constexpr = 16
             dw = tl.zeros((BLOCK_D,), tl.float32)
             for b0 in range(0, n_blocks, RB):
