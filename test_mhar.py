@@ -404,6 +404,13 @@ def test_kill_and_resume_is_bitwise(tmp_path, data_dir):
     # an incompatible config is refused, naming the keys
     r = run_train(killed, data_dir, "--max_steps=80", "--init_from=resume", "--residual=attnres", "--lr=1e-3")
     assert r.returncode != 0 and "residual: 'mhar' -> 'attnres'" in r.stderr and "lr: 0.003 -> 0.001" in r.stderr
+    # a schedule whose horizon follows max_steps: extending the run changes it unless the horizon is pinned
+    short = str(tmp_path / "short")
+    assert run_train(short, data_dir, "--max_steps=3", "--eval_interval=3", "--lr_decay_steps=-1").returncode == 0
+    r = run_train(short, data_dir, "--max_steps=5", "--eval_interval=3", "--lr_decay_steps=-1", "--init_from=resume")
+    assert r.returncode != 0 and "cosine horizon" in r.stderr and "--lr_decay_steps=3" in r.stderr
+    r = run_train(short, data_dir, "--max_steps=5", "--eval_interval=3", "--lr_decay_steps=3", "--init_from=resume")
+    assert r.returncode == 0, r.stderr
 
 
 def test_nonfinite_loss_stops_before_save(tmp_path, data_dir):

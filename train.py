@@ -82,7 +82,8 @@ class Config:
 
 # keys that may differ when resuming (everything else must match the checkpoint)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
-             "dtype", "compile", "micro_batch", "activation_checkpointing"}
+             "dtype", "compile", "micro_batch", "activation_checkpointing",
+             "lr_decay_steps"}   # compared after resolving -1 to max_steps: the schedule's horizon must match
 MODEL_KEYS = {f.name for f in fields(GPTConfig)} - {"vocab_size", "tie_embeddings"}
 
 
@@ -248,9 +249,11 @@ def main(argv):
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         old = ckpt["train_config"]
         diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in RESUMABLE and old.get(k) != v]
-        if old.get("lr_decay_steps", -1) == -1 and cfg.lr_decay_steps == -1 and old.get("max_steps") != cfg.max_steps:
-            diff.append(f"lr_decay_steps (-1 = max_steps): {old['max_steps']} -> {cfg.max_steps}; "
-                        f"pass --lr_decay_steps={old['max_steps']} to keep the old schedule")
+        old_horizon = old["lr_decay_steps"] if old["lr_decay_steps"] > 0 else old["max_steps"]
+        if old_horizon != (cfg.lr_decay_steps if cfg.lr_decay_steps > 0 else cfg.max_steps):
+            diff.append(f"cosine horizon (lr_decay_steps, -1 = max_steps): {old_horizon} -> "
+                        f"{cfg.lr_decay_steps if cfg.lr_decay_steps > 0 else cfg.max_steps}; "
+                        f"pass --lr_decay_steps={old_horizon} to keep the old schedule")
         for k in ("tokenizer", "train_tokens"):
             if ckpt["meta"].get(k) != meta.get(k):
                 diff.append(f"data {k}: {ckpt['meta'].get(k)!r} -> {meta.get(k)!r}")
