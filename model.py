@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-RESIDUAL_MODES = ("baseline", "hyper", "attnres", "mhar")
+RESIDUAL_MODES = ("baseline", "hyper", "attnres", "mhar", "delta")
 ROUTING_IMPLS = ("reference", "fused")
 
 
@@ -30,15 +30,20 @@ class GPTConfig:
     vocab_size: int = 50304        # tokenizer vocab padded up to a multiple of 128 (gpt2: 50257 -> 50304)
     block_size: int = 1024         # longest sequence; RoPE tables are built for this many positions
     n_layer: int = 12              # L blocks = 2L sublayers (attention, MLP, attention, MLP, ...)
-    n_head: int = 8                # query heads; head_dim = n_embd / n_head
+    n_head: int = 8                # query heads
     n_kv_head: int = 4             # key/value heads (grouped-query attention)
     n_embd: int = 512              # model width d
     ffn_hidden: int = 1536         # SwiGLU hidden width
+    head_dim: int | None = None    # attention head width; None = n_embd / n_head (checkpoints may differ)
+    qk_norm: bool = True           # per-head RMSNorm on q and k (Qwen3 has it, Llama does not)
     rope_theta: float = 1e4        # RoPE base
+    rope_scaling: dict | None = None  # Llama-3.1 long-context scaling: {"rope_type": "llama3", "factor",
+                                   #   "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     norm_eps: float = 1e-6         # eps of every RMSNorm and of the routing key norm
     tie_embeddings: bool = True    # LM head shares the token embedding matrix
-    residual: str = "mhar"         # baseline | hyper | attnres | mhar
-    route_heads: int | None = None # MHAR heads H; None means n_kv_head (the paper's tuning-free default)
+    residual: str = "mhar"         # baseline | hyper | attnres | mhar | delta (grafted onto a pretrained model)
+    route_heads: int | None = None # routing heads H; None: n_kv_head for mhar (the paper's default), 8 for delta
+    num_blocks: int = 8            # delta: the layers form num_blocks blocks; completed block deltas are sources
     hc_streams: int = 4            # hyper-connections: number of residual streams n
     hc_dynamic: bool = True        # hyper-connections: dynamic (DHC) or static (SHC) connection weights
     routing_impl: str = "reference"  # reference (plain PyTorch) | fused (Triton, routing_kernel.py)
@@ -53,12 +58,18 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "hc_streams"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 bad(f"{name}={getattr(self, name)!r} must be a positive integer")
-        if self.n_embd % self.n_head:
-            bad(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head} (head_dim = n_embd / n_head)")
+        if self.head_dim is None and self.n_embd % self.n_head:
+            bad(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head} (head_dim = n_embd / n_head), "
+                "or set head_dim")
         if self.n_head % self.n_kv_head:
             bad(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head} (grouped-query attention)")
-        if (self.n_embd // self.n_head) % 2:
-            bad(f"head_dim={self.n_embd // self.n_head} must be even for RoPE: change n_embd or n_head")
+        if not (isinstance(self.hd, int) and self.hd >= 2 and self.hd % 2 == 0):
+            bad(f"head_dim={self.hd} must be an even positive integer for RoPE: change n_embd, n_head or head_dim")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ("llama3", "default"):
+            bad(f"rope_scaling={self.rope_scaling} is not supported: only rope_type 'llama3' (Llama-3.1) or 'default'")
+        if self.residual == "delta" and (not isinstance(self.num_blocks, int) or self.num_blocks < 1
+                                         or self.n_layer % self.num_blocks):
+            bad(f"num_blocks={self.num_blocks} must divide n_layer={self.n_layer} (blocks of equal length)")
         if self.residual == "attnres" and self.route_heads not in (None, 1):
             bad(f"residual='attnres' is single-head, got route_heads={self.route_heads}: "
                 "use residual='mhar' for several heads")
@@ -71,14 +82,22 @@ class GPTConfig:
 
     @property
     def heads(self):
-        """Routing heads H actually used: 1 for attnres, route_heads (default n_kv_head) for mhar."""
+        """Routing heads H actually used: 1 for attnres, route_heads (default n_kv_head; 8 for delta) otherwise."""
         if self.residual == "attnres":
             return 1
-        return self.n_kv_head if self.route_heads is None else self.route_heads
+        if self.route_heads is not None:
+            return self.route_heads
+        return 8 if self.residual == "delta" else self.n_kv_head
+
+    @property
+    def hd(self):
+        """Attention head width."""
+        return self.n_embd // self.n_head if self.head_dim is None else self.head_dim
 
     @property
     def n_sites(self):
-        return 2 * self.n_layer + 1
+        """Routing sites: one per sublayer, plus the final readout except in delta mode."""
+        return 2 * self.n_layer + (self.residual != "delta")
 
     @classmethod
     def from_dict(cls, d):
@@ -100,9 +119,16 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)
 
 
-def rope_tables(head_dim, n_pos, theta):
-    """cos, sin of shape (n_pos, head_dim / 2), fp32."""
+def rope_tables(head_dim, n_pos, theta, scaling=None):
+    """cos, sin of shape (n_pos, head_dim / 2), fp32. scaling: Llama-3.1's rope_scaling (rope_type llama3),
+    which divides the low frequencies by `factor` and blends smoothly between low_freq and high_freq wavelengths."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None and scaling.get("rope_type") == "llama3":
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen - lo) / (hi - lo)).clamp(0, 1)      # 0: long wavelengths, 1: short ones
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     angles = torch.outer(torch.arange(n_pos, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
@@ -119,16 +145,15 @@ class Attention(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
-        self.head_dim = cfg.n_embd // cfg.n_head
-        d, kv = cfg.n_embd, cfg.n_kv_head * self.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.hd
+        d, q, kv = cfg.n_embd, cfg.n_head * cfg.hd, cfg.n_kv_head * cfg.hd
         self.norm = RMSNorm(d, cfg.norm_eps)
-        self.q_proj = nn.Linear(d, d, bias=False)
+        self.q_proj = nn.Linear(d, q, bias=False)
         self.k_proj = nn.Linear(d, kv, bias=False)
         self.v_proj = nn.Linear(d, kv, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.o_proj = nn.Linear(q, d, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
@@ -183,13 +208,17 @@ def route_reference(sources, q, g, n_heads, eps=1e-6, return_alpha=False):
 
 
 class Route(nn.Module):
-    """One routing site: a query and a key gain over the width d, split into `heads` heads."""
+    """One routing site: a query and a key gain over the width d, split into `heads` heads. A delta site
+    (SPEC section 5) also has a learnable null source and the scalar alpha that gates its output."""
 
-    def __init__(self, dim, heads, eps):
+    def __init__(self, dim, heads, eps, delta=False):
         super().__init__()
         self.heads, self.eps = heads, eps
         self.q = nn.Parameter(torch.zeros(dim))   # zero query: uniform mix = residual stream / N at init
         self.g = nn.Parameter(torch.ones(dim))
+        if delta:
+            self.null = nn.Parameter(torch.zeros(dim))   # a source the site may attend to instead of the history
+            self.alpha = nn.Parameter(torch.zeros(()))   # 0: the converted model is the pretrained one, bitwise
 
 
 # -----------------------------------------------------------------------------
@@ -269,18 +298,24 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         # mode-specific parameters come last and draw no random numbers, so the shared weights of every
         # mode are identical for the same seed (the residual mechanism is the only difference)
-        if cfg.residual in ("attnres", "mhar"):
-            self.routes = nn.ModuleList(Route(d, cfg.heads, cfg.norm_eps) for _ in range(cfg.n_sites))
+        if cfg.residual in ("attnres", "mhar", "delta"):
+            self.routes = nn.ModuleList(Route(d, cfg.heads, cfg.norm_eps, delta=cfg.residual == "delta")
+                                        for _ in range(cfg.n_sites))
         if cfg.residual == "hyper":
             self.hyper = nn.ModuleList(HyperConnection(cfg, k) for k in range(2 * L))
-        cos, sin = rope_tables(d // cfg.n_head, cfg.block_size, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_buffers()
         self._route = route_reference
         self._head = self._head_impl
         self._router = None                  # routing_kernel.FusedRouter, made on the first fused forward
         self.checkpoint_sublayers = False    # activation checkpointing of every sublayer (never of routing)
+        self.z_loss = 0.0                    # logit z-loss coefficient added to the training loss
         self.reset_parameters()
+
+    def reset_buffers(self, device=None):
+        """(Re)compute the RoPE tables (not saved in checkpoints), e.g. after building the model on the meta device."""
+        cos, sin = rope_tables(self.cfg.hd, self.cfg.block_size, self.cfg.rope_theta, self.cfg.rope_scaling)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def reset_parameters(self):
         # N(0, 0.02) for every linear and embedding weight (SPEC section 3); norms 1; routing q 0, g 1
@@ -314,7 +349,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        flat = logits.float().view(-1, logits.size(-1))
+        loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1)
+        if self.z_loss and torch.is_grad_enabled():   # logit z-loss (PaLM): keeps log Z near 0; training only
+            loss = loss + self.z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean()
         return logits, loss
 
     def forward(self, idx, targets=None, return_routing=False):
@@ -334,6 +372,8 @@ class GPT(nn.Module):
             for hc, sub in zip(self.hyper, subs):
                 streams = hc(streams, lambda h, c, s, sub=sub: self._run(sub, h, c, s), cos, sin)
             x = streams.sum(-2)                                      # readout: sum of streams
+        elif mode == "delta":
+            x = self._delta_forward(x, subs, cos, sin, routing, return_routing)
         elif self._fused(x) and not return_routing:
             # routing_kernel.py keeps the depth history in one buffer; site j's input is the newest source
             from routing_kernel import FusedRouter
@@ -353,6 +393,22 @@ class GPT(nn.Module):
             x = self._route_site(sites[-1], sources, routing, return_routing)
         logits, loss = self._head(x, targets)
         return (logits, loss, routing) if return_routing else (logits, loss)
+
+    def _delta_forward(self, x, subs, cos, sin, routing, return_routing):
+        """Delta form (SPEC section 5, for grafting onto a pretrained model): the residual stream x stays;
+        sublayer j reads x + alpha_j * route_j(sources), sources = [null_j, embedding, completed block deltas],
+        a block delta being the stream at the end of a block minus the stream at its start."""
+        sites = self.routing_sites()
+        per_block = 2 * self.cfg.n_layer // self.cfg.num_blocks   # sublayers per block
+        history, start = [x], x                                    # embedding; stream at the block's start
+        for k, (site, sub) in enumerate(zip(sites, subs)):
+            if k and k % per_block == 0:                           # a block just completed: its delta is a source
+                history.append(x - start)
+                start = x
+            stacked = torch.stack([site.null.to(x.dtype).expand_as(x)] + history)   # sources: (N, B, T, d)
+            h = x + site.alpha.to(x.dtype) * self._route_stack(site, stacked, routing, return_routing)
+            x = x + self._run(sub, h, cos, sin)
+        return x
 
     def _run(self, sub, h, cos, sin):
         if self.checkpoint_sublayers and torch.is_grad_enabled():
@@ -383,7 +439,9 @@ class GPT(nn.Module):
         return True
 
     def _route_site(self, site, sources, routing, return_routing):
-        stacked = torch.stack(sources)                               # sources: (N_j, B, T, d)
+        return self._route_stack(site, torch.stack(sources), routing, return_routing)   # (N_j, B, T, d)
+
+    def _route_stack(self, site, stacked, routing, return_routing):
         if return_routing:
             out, alpha = route_reference(stacked, site.q, site.g, site.heads, site.eps, return_alpha=True)
             routing.append(alpha)
@@ -392,22 +450,26 @@ class GPT(nn.Module):
 
     # -------------------------------------------------------------------------
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, eps=1e-8, decay_all=True, fused=None):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, eps=1e-8, decay_all=True, fused=None,
+                             routing_group=False, routing_lr_scale=1.0):
         """AdamW. The paper decays every parameter (decay_all=True, the default); decay_all=False puts
-        norms, embeddings, routing and hyper-connection parameters in a no-decay group."""
-        params = [p for p in self.parameters() if p.requires_grad]
+        norms, embeddings, routing and hyper-connection parameters in a no-decay group. routing_group (for
+        continued pretraining of a converted model) gives the new routing parameters their own group: no
+        weight decay, LR times routing_lr_scale (train.py multiplies each group's LR by its "lr_scale")."""
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        routing = [p for n, p in named if routing_group and n.startswith("routes.")]
+        rest = [(n, p) for n, p in named if not (routing_group and n.startswith("routes."))]
         if decay_all:
-            groups = [{"params": params, "weight_decay": weight_decay}]
+            groups = [{"params": [p for _, p in rest], "weight_decay": weight_decay}]
         else:
-            no_decay = {id(self.wte.weight)}
-            for name, p in self.named_parameters():
-                if p.dim() < 2 or name.startswith(("routes.", "hyper.")):
-                    no_decay.add(id(p))
-            groups = [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": weight_decay},
-                      {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}]
+            no_decay = lambda n, p: p.dim() < 2 or n.startswith(("routes.", "hyper.")) or p is self.wte.weight
+            groups = [{"params": [p for n, p in rest if not no_decay(n, p)], "weight_decay": weight_decay},
+                      {"params": [p for n, p in rest if no_decay(n, p)], "weight_decay": 0.0}]
+        if routing:
+            groups.append({"params": routing, "weight_decay": 0.0, "lr_scale": routing_lr_scale})
         if fused is None:
-            fused = all(p.is_cuda for p in params)
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
+            fused = all(p.is_cuda for _, p in named)
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=learning_rate, betas=betas, eps=eps, fused=fused)
 
     def flops_per_token(self, seq_len=None):
         """Training FLOPs per token: 6 per matmul parameter (fwd + bwd) plus attention scores and values
@@ -450,4 +512,5 @@ class GPT(nn.Module):
         model = cls(GPTConfig.from_dict(ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
         model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
+        model.checkpoint_info["dir"] = os.path.dirname(os.path.abspath(path))   # a tokenizer.json lives beside it
         return model.to(device)

@@ -33,11 +33,44 @@ SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz", ".txt", ".parquet")
 HUB_DATASET, HUB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
 
 
-def load_tokenizer(name):
-    """A tiktoken encoding by name, with an actionable error when its files cannot be fetched."""
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (e.g. of a converted Llama or Qwen3 checkpoint) behind tiktoken's interface."""
+    EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+    def __init__(self, path):
+        try:
+            from tokenizers import Tokenizer   # only needed for tokenizer.json files
+        except ImportError as e:
+            raise RuntimeError(f"reading {path} needs `pip install tokenizers`") from e
+        self.path = path
+        self.tok = Tokenizer.from_file(path)
+        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
+        ids = [self.tok.token_to_id(t) for t in self.EOT_NAMES]
+        if all(i is None for i in ids):
+            raise ValueError(f"{path}: none of the end-of-text tokens {self.EOT_NAMES} is in the vocabulary")
+        self.eot_token = next(i for i in ids if i is not None)
+
+    def encode_ordinary(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text, allowed_special=()):
+        return self.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def load_tokenizer(name, base_dir=None):
+    """A tiktoken encoding by name, or a Hugging Face tokenizer.json by path (relative paths are taken
+    from base_dir, e.g. a checkpoint's folder), with an actionable error when tiktoken's files cannot be fetched."""
+    if name.endswith(".json"):
+        path = name if os.path.isabs(name) or base_dir is None else os.path.join(base_dir, name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file {path} not found")
+        return HFTokenizer(path)
     import tiktoken
     if name not in TOKENIZERS:
-        raise ValueError(f"tokenizer={name!r} is not one of {', '.join(TOKENIZERS)}")
+        raise ValueError(f"tokenizer={name!r} is not one of {', '.join(TOKENIZERS)} or a path to a tokenizer.json")
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken downloads its BPE files on first use; offline that fails here
@@ -45,6 +78,15 @@ def load_tokenizer(name):
             f"could not load the tiktoken encoding {name!r} ({type(e).__name__}: {e}). tiktoken downloads it "
             "once from openaipublic.blob.core.windows.net: connect to the internet, or set TIKTOKEN_CACHE_DIR "
             "to a folder that holds its cached files (e.g. ../shared/data/tiktoken_cache)") from e
+
+
+def tokenizer_id(name):
+    """What identifies a tokenizer across machines: the tiktoken name, or the sha1 of the tokenizer.json."""
+    if not name.endswith(".json"):
+        return name
+    import hashlib
+    with open(name, "rb") as f:
+        return "sha1:" + hashlib.sha1(f.read()).hexdigest()
 
 
 def token_dtype(vocab_size):
@@ -207,7 +249,9 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
     if train.tokens == 0 or val.tokens == 0:
         raise RuntimeError(f"got {train.tokens} train and {val.tokens} val tokens: need some of each "
                            "(more input documents, or a larger --val_fraction)")
-    meta = {"tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token,
+    if tokenizer.endswith(".json"):   # record where it came from and what it was, for checks against a model
+        tokenizer = os.path.abspath(tokenizer)
+    meta = {"tokenizer": tokenizer, "tokenizer_id": tokenizer_id(tokenizer), "vocab_size": enc.n_vocab, "eot_token": enc.eot_token,
             "dtype": np.dtype(dtype).name, "train_tokens": train.tokens, "val_tokens": val.tokens,
             "train_docs": train.docs, "val_docs": val.docs,
             "inputs": inputs or [f"hf://{HUB_DATASET}/{HUB_CONFIG}"], "val_inputs": val_inputs,
@@ -228,7 +272,8 @@ def main(argv=None):
     p.add_argument("--input", help="file, glob or directory of .jsonl[.gz|.xz]/.txt/.parquet; default: FineWeb-Edu from the Hub")
     p.add_argument("--val_input", help="validation documents (same formats); default: every k-th input document")
     p.add_argument("--out_dir", help="output folder (default data/<input name> or data/fineweb_edu)")
-    p.add_argument("--tokenizer", default="gpt2", choices=TOKENIZERS, help="tiktoken encoding (default gpt2)")
+    p.add_argument("--tokenizer", default="gpt2", help=f"tiktoken encoding ({', '.join(TOKENIZERS)}; default gpt2) "
+                   "or the path of a Hugging Face tokenizer.json (e.g. of a model converted with convert.py)")
     p.add_argument("--max_tokens", type=lambda s: int(float(s.replace("_", ""))), default=100_000_000,
                    help="stop after this many training tokens (default 100M; 1e9 style accepted)")
     p.add_argument("--max_val_tokens", type=lambda s: int(float(s.replace("_", ""))), default=None,

@@ -34,7 +34,7 @@ def main(argv=None):
     except FileNotFoundError as e:
         sys.exit(f"sample.py: error: {e}")
     model.eval()
-    enc = load_tokenizer(model.checkpoint_info.get("tokenizer") or "gpt2")
+    enc = load_tokenizer(model.checkpoint_info.get("tokenizer") or "gpt2", base_dir=model.checkpoint_info["dir"])
     start = args.start
     if start.startswith("FILE:"):
         with open(start[5:], encoding="utf-8") as f:

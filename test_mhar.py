@@ -11,6 +11,7 @@ import math
 import os
 import pydoc
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -408,7 +409,7 @@ def test_kill_and_resume_is_bitwise(tmp_path, data_dir):
     short = str(tmp_path / "short")
     assert run_train(short, data_dir, "--max_steps=3", "--eval_interval=3", "--lr_decay_steps=-1").returncode == 0
     r = run_train(short, data_dir, "--max_steps=5", "--eval_interval=3", "--lr_decay_steps=-1", "--init_from=resume")
-    assert r.returncode != 0 and "cosine horizon" in r.stderr and "--lr_decay_steps=3" in r.stderr
+    assert r.returncode != 0 and "decay horizon" in r.stderr and "--lr_decay_steps=3" in r.stderr
     r = run_train(short, data_dir, "--max_steps=5", "--eval_interval=3", "--lr_decay_steps=3", "--init_from=resume")
     assert r.returncode == 0, r.stderr
 
@@ -643,3 +644,210 @@ def test_fused_composes_with_compiled_sublayers():
     for m in (ref, fused):
         m(idx, idx)[1].backward()
     assert_grads_close({n: p.grad for n, p in fused.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
+
+
+# -----------------------------------------------------------------------------
+# delta mode and convert.py (SPEC section 5): tiny checkpoints in Hugging Face layout, written here
+
+import convert  # noqa: E402
+
+HF_CONFIGS = {
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=300, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                  tie_word_embeddings=True, hidden_act="silu", attention_bias=False, torch_dtype="float32"),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=259, hidden_size=64,
+                  intermediate_size=112, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False,
+                  rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 32, "rope_type": "llama3"},
+                  hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="float32"),
+}
+
+
+def write_hf_checkpoint(path, hf_config, seed=0, shards=2, rope_parameters=False):
+    """Random weights in Hugging Face layout (config.json, sharded safetensors, index); returns the same
+    weights as a model.py baseline, the reference for the conversion."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    cfg = convert.model_config(hf_config, num_blocks=1)
+    torch.manual_seed(seed)
+    base = GPT(GPTConfig.from_dict({**cfg.__dict__, "residual": "baseline"}))
+    with torch.no_grad():   # norms away from 1 so a mis-mapped norm shows
+        for name, p in base.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    hf_name = {}
+    for hf, ours in convert.NAMES.items():
+        for i in range(cfg.n_layer):
+            hf_name[ours.format(i=i)] = hf.format(i=i)
+    tensors = {hf_name[k]: v.contiguous() for k, v in base.state_dict().items()
+               if not (k == "lm_head.weight" and cfg.tie_embeddings)}
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, os.path.join(path, fname))
+        weight_map.update({n: fname for n in part})
+    json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    hf_config = dict(hf_config)
+    if rope_parameters:   # the layout recent transformers versions write
+        hf_config["rope_parameters"] = {"rope_theta": hf_config.pop("rope_theta"), **(hf_config.pop("rope_scaling", None) or {"rope_type": "default"})}
+    json.dump(hf_config, open(os.path.join(path, "config.json"), "w"))
+    return base
+
+
+def write_tiny_tokenizer(path):
+    """A byte-level BPE tokenizer.json with <|end_of_text|> (Llama 3's end-of-text name), 257 tokens."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=257, special_tokens=["<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world"], trainer)
+    tok.save(path)
+    return path
+
+
+@pytest.mark.parametrize("arch,rope_parameters", [("qwen3", False), ("llama", False), ("llama", True)])
+def test_convert_is_bitwise_identity(tmp_path, arch, rope_parameters, capsys):
+    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    base = write_hf_checkpoint(hf_dir, HF_CONFIGS[arch], rope_parameters=rope_parameters)
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={out}", "--dtype=float32", "--route_heads=4", "--num_blocks=2",
+                  "--tokenizer=gpt2"])
+    assert "identity check: 3 random batches" in capsys.readouterr().out
+    model = GPT.from_checkpoint(out)
+    assert model.cfg.residual == "delta" and model.cfg.qk_norm == (arch == "qwen3") and model.cfg.heads == 4
+    assert model.cfg.tie_embeddings == (arch == "qwen3") and model.cfg.vocab_size == HF_CONFIGS[arch]["vocab_size"]
+    assert (model.cfg.rope_scaling is not None) == (arch == "llama")
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], base(idx)[0])   # fp32, alpha = 0: the pretrained function, bitwise
+    n_new = sum(p.numel() for n, p in model.named_parameters() if n.startswith("routes."))
+    assert n_new == 2 * 4 * (3 * 64 + 1)                   # per site: q, g, null (d each) and alpha
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_converted_model_matches_transformers(tmp_path, arch):
+    transformers = pytest.importorskip("transformers", reason="optional: pip install transformers to compare with it")
+    hf_dir = str(tmp_path / "hf")
+    base = write_hf_checkpoint(hf_dir, HF_CONFIGS[arch])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    idx = torch.randint(0, HF_CONFIGS[arch]["vocab_size"], (2, 50))
+    with torch.no_grad():
+        ours, theirs = base(idx)[0], hf_model(idx).logits
+    assert rel_err(ours.double(), theirs.double()) < 1e-4
+
+
+def test_delta_routing_is_live_and_learns(tmp_path):
+    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    base = write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={out}", "--dtype=float32", "--num_blocks=4", "--route_heads=2",
+                  "--check_batches=1", f"--tokenizer={write_tiny_tokenizer(str(tmp_path / 'tok.json'))}"])
+    model = GPT.from_checkpoint(out)
+    idx = torch.randint(0, 259, (2, 24))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for site in model.routing_sites():
+            site.alpha.fill_(0.5)
+            site.q.copy_(torch.randn(site.q.shape, generator=gen))
+            site.null.copy_(0.1 * torch.randn(site.null.shape, generator=gen))
+    logits, loss = model(idx, idx)
+    assert not torch.allclose(logits, base(idx)[0])
+    loss.backward()
+    for k, site in enumerate(model.routing_sites()):
+        for name in ("q", "g", "null", "alpha"):
+            grad = getattr(site, name).grad
+            assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, (k, name)
+    # the routing sees null + embedding + the completed blocks only: sites of block b mix b + 2 sources
+    _, _, routing = model(idx, return_routing=True)
+    assert [a.shape[0] for a in routing] == [2, 2, 3, 3, 4, 4, 5, 5]
+    # sampling decodes with the converted model's tokenizer.json, copied beside the checkpoint
+    s = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu",
+                        "--max_new_tokens=4", "--start=hello"], capture_output=True, text=True)
+    assert s.returncode == 0 and s.stdout.startswith("hello"), s.stderr
+
+
+def test_convert_bad_inputs_write_nothing(tmp_path):
+    hf_dir = str(tmp_path / "hf")
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["qwen3"], shards=2)
+
+    def fails(match, **config_changes):
+        d = str(tmp_path / f"case{len(os.listdir(tmp_path))}")
+        shutil.copytree(hf_dir, d)
+        if config_changes:
+            cfg = json.load(open(os.path.join(d, "config.json")))
+            cfg.update(config_changes)
+            json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+        return d, match
+
+    cases = [fails("not supported: convert.py reads", architectures=["MistralForCausalLM"]),
+             fails(r"n_head=4 must be divisible by n_kv_head=3", num_key_value_heads=3),
+             fails(r"rope scaling 'yarn' is not supported", rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+             fails(r"attention_bias=true is not supported", attention_bias=True)]
+    missing = str(tmp_path / "missing_shard")
+    shutil.copytree(hf_dir, missing)
+    os.remove(os.path.join(missing, "model-00002-of-00002.safetensors"))
+    cases.append((missing, r"missing from .*model-00002-of-00002.safetensors"))
+    for d, match in cases:
+        out = os.path.join(d, "out")
+        r = subprocess.run([sys.executable, os.path.join(HERE, "convert.py"), f"--hf_dir={d}", f"--out_dir={out}",
+                            "--num_blocks=2"], capture_output=True, text=True)
+        assert r.returncode != 0 and re.search(match, r.stderr), (match, r.stderr)
+        assert not os.path.exists(out), "a failed conversion wrote something"
+
+
+def test_train_from_converted_checkpoint(tmp_path, corpus):
+    hf_dir, conv = str(tmp_path / "hf"), str(tmp_path / "conv")
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
+    tok = write_tiny_tokenizer(os.path.join(hf_dir, "tokenizer.json"))
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={conv}", "--num_blocks=2", "--check_batches=1"])   # bf16 weights
+    data = str(tmp_path / "data")
+    prepare_data.prepare(input=corpus, out_dir=data, tokenizer=tok, val_fraction=0.05, max_tokens=60000, workers=1)
+    out = str(tmp_path / "midtrain")
+    args = ["--block_size=64", "--batch_tokens=512", "--micro_batch=4", "--lr=4e-4", "--warmup_steps=2", "--lr_decay_steps=10",
+            "--lr_schedule=linear", "--min_lr_ratio=0.01", "--weight_decay=0.05", "--decay_all=False",
+            "--z_loss=1e-4", "--ema_decay=0.9", "--routing_lr_scale=10", "--eval_tokens=2048", "--device=cpu",
+            "--compile=False"]
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), f"--data_dir={data}", f"--out_dir={out}", f"--init_from={conv}", *args]
+    r = subprocess.run(cmd + ["--max_steps=4", "--eval_interval=2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "residual=delta" in r.stdout and "from " + os.path.join(conv, "ckpt.pt") in r.stdout
+    steps, evals = read_log(out)
+    assert sorted(steps) == [1, 2, 3, 4] and all("val_loss_ema" in e for e in evals.values())
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["ema"] is not None and ckpt["model_source"].endswith("ckpt.pt")
+    groups = ckpt["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.0, 0.0] and groups[2]["lr_scale"] == 10
+    assert abs(groups[2]["lr"] - 10 * groups[0]["lr"]) < 1e-12
+    # resume continues it; a gpt2-tokenized data folder is refused
+    r = subprocess.run(cmd[:4] + ["--init_from=resume", *args, "--max_steps=6", "--eval_interval=2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--data_dir={corpus_gpt2(tmp_path, corpus)}",
+                        f"--out_dir={out}2", f"--init_from={conv}", *args, "--max_steps=1"], capture_output=True, text=True)
+    assert r.returncode != 0 and "tokenized with 'gpt2'" in r.stderr
+
+
+def corpus_gpt2(tmp_path, corpus):
+    d = str(tmp_path / "gpt2data")
+    prepare_data.prepare(input=corpus, out_dir=d, val_fraction=0.05, max_tokens=20000, workers=1)
+    return d
+
+
+def test_fsdp_two_processes_match_one(tmp_path, data_dir):
+    """FSDP2 (gloo, 2 CPU processes) follows the single-process curve of the same bf16-compute model."""
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    r1 = run_train(one, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=1)
+    r2 = run_train(two, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=2)
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stdout + r2.stderr
+    assert "FSDP2 mixed precision" in r2.stdout
+    a, b = read_log(one), read_log(two)
+    assert max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0]) < 2e-2   # bf16 compute, other reduction order
+    assert a[0][6]["loss"] < a[0][1]["loss"]
+    # a checkpoint saved under FSDP resumes (full state dicts on rank 0, broadcast back)
+    r = run_train(two, data_dir, "--max_steps=8", "--eval_interval=3", "--fsdp=True", "--init_from=resume", nproc=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(read_log(two)[0]) == list(range(1, 9))

@@ -28,6 +28,10 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import GPT, GPTConfig
 
@@ -37,7 +41,7 @@ class Config:
     # data and output
     data_dir: str = "data/fineweb_edu"  # prepare_data.py output: train.bin, val.bin, meta.json
     out_dir: str = "out"                # ckpt.pt (latest checkpoint) and log.jsonl
-    init_from: str = "scratch"          # scratch | resume (continue out_dir/ckpt.pt up to max_steps)
+    init_from: str = "scratch"          # scratch | resume (continue out_dir/ckpt.pt) | the out_dir of convert.py
     # model (paper Table 1, 100M shape)
     residual: str = "mhar"              # baseline | hyper | attnres | mhar
     route_heads: int | None = None      # MHAR heads; None = n_kv_head
@@ -59,7 +63,8 @@ class Config:
     lr: float = 1e-3                    # peak learning rate
     min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 1000            # linear warmup
-    lr_decay_steps: int = -1            # cosine horizon; -1 = max_steps (fix it to extend a run later)
+    lr_schedule: str = "cosine"         # decay after warmup, to lr * min_lr_ratio: cosine | linear | 1-sqrt
+    lr_decay_steps: int = -1            # decay horizon; -1 = max_steps (fix it to extend a run later)
     max_steps: int = 20000              # optimizer steps to train (a resumed run continues up to here)
     weight_decay: float = 0.1           # AdamW weight decay
     decay_all: bool = True              # the paper decays every parameter; False: no decay on norms/embeddings/routing
@@ -67,6 +72,9 @@ class Config:
     beta2: float = 0.95                 # AdamW beta2
     adam_eps: float = 1e-8              # AdamW eps
     grad_clip: float = 1.0              # global gradient-norm clip (0 = off)
+    routing_lr_scale: float = 1.0       # delta mode: LR multiplier of the new routing parameters (own group, no decay)
+    z_loss: float = 0.0                 # logit z-loss coefficient (the paper's 8B mid-training: 1e-4)
+    ema_decay: float = 0.0              # weight EMA, evaluated and saved beside the weights (0 = off; 8B recipe: 0.999)
     # evaluation and logging
     eval_interval: int = 500            # evaluate and checkpoint every this many steps (and at the end)
     eval_tokens: int = 1048576          # fixed validation set: the first this-many tokens of val.bin
@@ -77,14 +85,15 @@ class Config:
     param_dtype: str = "float32"        # float32 master weights | bfloat16 (pure-bf16 model like the paper; less memory)
     compile: bool = True                # torch.compile each sublayer (and the reference routing)
     activation_checkpointing: bool = False  # recompute each sublayer in backward: less memory, ~1/3 more compute
+    fsdp: bool = False                  # FSDP2: shard each sublayer over the processes, bf16 compute, fp32 master weights
     seed: int = 42                      # fixes initialisation and data order
 
 
 # keys that may differ when resuming (everything else must match the checkpoint)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
-             "dtype", "compile", "micro_batch", "activation_checkpointing",
+             "dtype", "compile", "micro_batch", "activation_checkpointing", "routing_impl",
              "lr_decay_steps"}   # compared after resolving -1 to max_steps: the schedule's horizon must match
-MODEL_KEYS = {f.name for f in fields(GPTConfig)} - {"vocab_size", "tie_embeddings"}
+MODEL_KEYS = {f.name for f in fields(GPTConfig)} & {f.name for f in fields(Config)}   # the rest: GPTConfig defaults
 
 
 def config_help():
@@ -138,7 +147,7 @@ def parse_args(argv):
                 raise ValueError(f"unknown option {key!r} {source}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
                                  + "; python train.py -h lists every option")
             setattr(cfg, key, check_type(key, val))
-    for key, allowed in (("init_from", ("scratch", "resume")), ("dtype", ("auto", "bfloat16", "float32")),
+    for key, allowed in (("dtype", ("auto", "bfloat16", "float32")), ("lr_schedule", ("cosine", "linear", "1-sqrt")),
                          ("param_dtype", ("float32", "bfloat16"))):
         if getattr(cfg, key) not in allowed:
             raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
@@ -187,6 +196,33 @@ class TokenData:
         return self.rows(starts)
 
 
+def build_model(mcfg, cfg, device, param_dtype, state, master):
+    """The model on `device`, weights from `state` (a full state dict) or a fresh seeded init. With FSDP
+    it is built on the meta device and sharded sublayer by sublayer; only rank 0 reads `state`, which is broadcast."""
+    torch.manual_seed(cfg.seed)
+    if not cfg.fsdp:
+        model = GPT(mcfg)
+        if state is not None:
+            model.load_state_dict(state)
+        model.to(device)
+        for p in model.parameters():   # parameters only: the RoPE tables stay fp32 with bf16 weights
+            p.data = p.data.to(param_dtype)
+        return model
+    if state is None and master:   # scratch: rank 0 initialises, everyone receives the same weights
+        state = GPT(mcfg).state_dict()
+    with torch.device("meta"):
+        model = GPT(mcfg)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for sub in model.sublayers():   # the unit of sharding is what forward calls: each attention and MLP
+        fully_shard(sub, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.to_empty(device=device)
+    model.reset_buffers(device)
+    set_model_state_dict(model, state if master else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
 def main(argv):
     try:
         cfg = parse_args(argv)
@@ -210,6 +246,9 @@ def main(argv):
         torch.backends.cudnn.allow_tf32 = True
     if ddp:
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    elif cfg.fsdp:   # FSDP2 in one process (e.g. one GPU): a process group of one
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
     master = rank == 0
     say = print if master else (lambda *a, **k: None)
 
@@ -219,8 +258,10 @@ def main(argv):
     else:
         compute, why = cfg.dtype, "requested"
     param_dtype = getattr(torch, cfg.param_dtype)
+    if cfg.fsdp:
+        compute, why = "bfloat16", "FSDP2 mixed precision: bf16 parameters in compute, fp32 gradient reduction"
     autocast = (torch.autocast(device_type, dtype=getattr(torch, compute))
-                if compute != "float32" and param_dtype == torch.float32 else nullcontext())
+                if compute != "float32" and param_dtype == torch.float32 and not cfg.fsdp else nullcontext())
 
     # ---- data
     meta_path = os.path.join(cfg.data_dir, "meta.json")
@@ -242,46 +283,76 @@ def main(argv):
 
     # ---- model, optimizer, resume
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    ckpt = None
+    ckpt = init = None
     if cfg.init_from == "resume":
         if not os.path.isfile(ckpt_path):
             sys.exit(f"train.py: error: --init_from=resume but {ckpt_path} does not exist")
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
         old = ckpt["train_config"]
-        diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in RESUMABLE and old.get(k) != v]
+        skip = RESUMABLE | (MODEL_KEYS if ckpt.get("model_source", "config") != "config" else set())
+        diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in skip and old.get(k) != v]
         old_horizon = old["lr_decay_steps"] if old["lr_decay_steps"] > 0 else old["max_steps"]
         if old_horizon != (cfg.lr_decay_steps if cfg.lr_decay_steps > 0 else cfg.max_steps):
-            diff.append(f"cosine horizon (lr_decay_steps, -1 = max_steps): {old_horizon} -> "
+            diff.append(f"decay horizon (lr_decay_steps, -1 = max_steps): {old_horizon} -> "
                         f"{cfg.lr_decay_steps if cfg.lr_decay_steps > 0 else cfg.max_steps}; "
                         f"pass --lr_decay_steps={old_horizon} to keep the old schedule")
-        for k in ("tokenizer", "train_tokens"):
-            if ckpt["meta"].get(k) != meta.get(k):
+        for k in ("tokenizer_id", "train_tokens"):
+            if ckpt["meta"].get(k, ckpt["meta"]["tokenizer"]) != meta.get(k, meta["tokenizer"]):
                 diff.append(f"data {k}: {ckpt['meta'].get(k)!r} -> {meta.get(k)!r}")
         if diff:
             sys.exit("train.py: error: cannot resume, the config differs from the checkpoint's:\n  " + "\n  ".join(diff)
                      + "\nuse the checkpoint's values, or a new out_dir with --init_from=scratch")
-    elif os.path.exists(ckpt_path):
-        sys.exit(f"train.py: error: {ckpt_path} already exists; continue it with --init_from=resume "
-                 "or choose another --out_dir (nothing is overwritten)")
-    elif master and os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):   # a run that died before its first checkpoint
-        kept = os.path.join(cfg.out_dir, f"log.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-        os.replace(os.path.join(cfg.out_dir, "log.jsonl"), kept)
-        print(f"moved the log of an earlier run without a checkpoint to {kept}")
-
-    torch.manual_seed(cfg.seed)
-    vocab = math.ceil(meta["vocab_size"] / 128) * 128
+        model_cfg, model_source = ckpt["model_config"], ckpt.get("model_source", "config")
+    else:
+        if os.path.exists(ckpt_path):
+            sys.exit(f"train.py: error: {ckpt_path} already exists; continue it with --init_from=resume "
+                     "or choose another --out_dir (nothing is overwritten)")
+        if master and os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):   # a run that died before its first checkpoint
+            kept = os.path.join(cfg.out_dir, f"log.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            os.replace(os.path.join(cfg.out_dir, "log.jsonl"), kept)
+            print(f"moved the log of an earlier run without a checkpoint to {kept}")
+        model_cfg = {k: getattr(cfg, k) for k in MODEL_KEYS}
+        model_cfg["vocab_size"] = math.ceil(meta["vocab_size"] / 128) * 128
+        model_source = "config"
+        if cfg.init_from != "scratch":   # a convert.py checkpoint: its architecture, its weights
+            path = os.path.join(cfg.init_from, "ckpt.pt") if os.path.isdir(cfg.init_from) else cfg.init_from
+            if not os.path.isfile(path):
+                sys.exit(f"train.py: error: init_from={cfg.init_from!r} is not scratch, resume, or the out_dir of convert.py")
+            init = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            model_cfg, model_source = init["model_config"], os.path.abspath(path)
+            data_tok, model_tok = meta.get("tokenizer_id", meta["tokenizer"]), init.get("tokenizer_id")
+            if model_tok is not None and data_tok != model_tok:
+                sys.exit(f"train.py: error: {cfg.data_dir} was tokenized with {meta['tokenizer']!r} but the model in "
+                         f"{path} uses {init['tokenizer']!r}: prepare the data with --tokenizer set to the model's "
+                         "tokenizer (its tokenizer.json)")
+            if meta["vocab_size"] > model_cfg["vocab_size"]:
+                sys.exit(f"train.py: error: the data's vocabulary ({meta['vocab_size']}) exceeds the model's "
+                         f"({model_cfg['vocab_size']})")
     try:
-        mcfg = GPTConfig(vocab_size=vocab, **{k: getattr(cfg, k) for k in MODEL_KEYS})
+        mcfg = GPTConfig.from_dict({**model_cfg, "routing_impl": cfg.routing_impl})
     except ValueError as e:
         sys.exit(f"train.py: error: {e}")
-    model = GPT(mcfg).to(device)
-    for p in model.parameters():   # parameters only: the RoPE tables stay fp32 with bf16 weights
-        p.data = p.data.to(param_dtype)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), cfg.adam_eps, cfg.decay_all)
+    vocab = mcfg.vocab_size
+    state = ckpt["model"] if ckpt is not None else init["model"] if init is not None else None
+    model = build_model(mcfg, cfg, device, param_dtype, state, master)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), cfg.adam_eps, cfg.decay_all,
+                                           fused=device_type == "cuda" and not cfg.fsdp,
+                                           routing_group=mcfg.residual == "delta", routing_lr_scale=cfg.routing_lr_scale)
+    ema = [p.detach().clone().float() for p in params] if cfg.ema_decay > 0 else None
     step = 0
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if cfg.fsdp:
+            set_optimizer_state_dict(model, optimizer, ckpt["optimizer"] if master else {},
+                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        else:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        if ema is not None:
+            if ckpt.get("ema") is None:
+                sys.exit("train.py: error: --ema_decay is set but the checkpoint has no EMA weights")
+            for e, (name, p) in zip(ema, model.named_parameters()):
+                full = ckpt["ema"][name].to(device)
+                e.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
         step = ckpt["step"]
         rng = ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0]
         torch.set_rng_state(rng["torch"])
@@ -289,12 +360,13 @@ def main(argv):
         random.setstate(rng["python"])
         if device_type == "cuda" and rng.get("cuda") is not None:
             torch.cuda.set_rng_state(rng["cuda"])
-        del ckpt
+    del ckpt, init, state
     raw_model = model
     model.checkpoint_sublayers = cfg.activation_checkpointing
+    model.z_loss = cfg.z_loss
     if cfg.compile:
         model.compile_sublayers()
-    if ddp:
+    if ddp and not cfg.fsdp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None)
 
     # ---- log header
@@ -309,15 +381,16 @@ def main(argv):
     say(f"git {git_revision()} | python {platform.python_version()} | torch {torch.__version__} | triton {triton_version}"
         f" | cuda {torch.version.cuda} | {world} x {device_name}")
     say(f"precision: compute {compute if param_dtype == torch.float32 else cfg.param_dtype} ({why}), weights {cfg.param_dtype}")
-    say(f"model: residual={mcfg.residual} (routing heads {mcfg.heads if mcfg.residual in ('attnres', 'mhar') else '-'}, "
+    say(f"model: residual={mcfg.residual} (routing heads {mcfg.heads if mcfg.residual in ('attnres', 'mhar', 'delta') else '-'}, "
         f"{mcfg.routing_impl}) | {n_params:,} parameters ({n_params - raw_model.wte.weight.numel():,} non-embedding, "
         f"{n_extra:,} residual-mechanism) | vocab {vocab} ({meta['tokenizer']})")
     say(f"batch: {cfg.batch_tokens:,} tokens = {world} processes x {accum} micro-steps x {cfg.micro_batch} x {cfg.block_size} | "
         f"data {meta['train_tokens']:,} train tokens (1 epoch = {train_data.n_seq // seqs_per_step} steps), "
         f"val {n_eval} x {cfg.block_size} tokens fixed")
     horizon = cfg.lr_decay_steps if cfg.lr_decay_steps > 0 else cfg.max_steps
-    say(f"schedule: lr {cfg.lr:g}, warmup {cfg.warmup_steps}, cosine to {cfg.min_lr_ratio:g}x at step {horizon}; "
-        f"training steps {step} -> {cfg.max_steps}")
+    say(f"schedule: lr {cfg.lr:g}, warmup {cfg.warmup_steps}, {cfg.lr_schedule} to {cfg.min_lr_ratio:g}x at step {horizon}; "
+        f"training steps {step} -> {cfg.max_steps}" + (f"; z-loss {cfg.z_loss:g}" if cfg.z_loss else "")
+        + (f"; EMA {cfg.ema_decay:g}" if cfg.ema_decay else "") + (f"; from {model_source}" if model_source != "config" else ""))
     say("config: " + json.dumps(asdict(cfg)))
     if cfg.init_from == "resume":
         say(f"resumed from {ckpt_path} at step {step}")
@@ -333,8 +406,9 @@ def main(argv):
     def lr_at(s):
         if s < cfg.warmup_steps:
             return cfg.lr * (s + 1) / cfg.warmup_steps
-        progress = min(1.0, (s - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
-        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        p = min(1.0, (s - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
+        decay = {"cosine": 0.5 * (1 + math.cos(math.pi * p)), "linear": 1 - p, "1-sqrt": 1 - math.sqrt(p)}[cfg.lr_schedule]
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay)
 
     def to_device(rows):
         rows = rows.pin_memory() if device_type == "cuda" else rows
@@ -361,11 +435,21 @@ def main(argv):
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
+        if cfg.fsdp:   # gather full tensors on rank 0 (every rank takes part)
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state, optim_state = get_model_state_dict(raw_model, options=opts), get_optimizer_state_dict(raw_model, optimizer, options=opts)
+        else:
+            model_state, optim_state = raw_model.state_dict(), optimizer.state_dict()
+        ema_state = None
+        if ema is not None:
+            ema_state = {name: (e.full_tensor() if isinstance(e, DTensor) else e).cpu()
+                         for (name, _), e in zip(raw_model.named_parameters(), ema)}
         if master:
-            state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                     "model_config": asdict(mcfg), "train_config": asdict(cfg), "rng": rngs, "meta": meta,
-                     "tokenizer": meta["tokenizer"], "data": {"seqs_consumed": step * seqs_per_step, "seed": cfg.seed},
-                     "git": git_revision()}
+            state = {"model": model_state, "optimizer": optim_state, "ema": ema_state, "step": step,
+                     "model_config": asdict(mcfg), "model_source": model_source, "train_config": asdict(cfg),
+                     "rng": rngs, "meta": meta, "tokenizer": meta["tokenizer"],
+                     "tokenizer_id": meta.get("tokenizer_id", meta["tokenizer"]),
+                     "data": {"seqs_consumed": step * seqs_per_step, "seed": cfg.seed}, "git": git_revision()}
             torch.save(state, ckpt_path + ".tmp")
             os.replace(ckpt_path + ".tmp", ckpt_path)   # atomic: a crash mid-save leaves the old checkpoint
 
@@ -420,8 +504,17 @@ def main(argv):
             val = evaluate()
             evals[step] = val
             tail = [evals[k] for k in sorted(evals)][-11:]
-            say(f"eval step {step} | val_loss {val:.4f} | tail-mean({len(tail)}) {sum(tail) / len(tail):.4f}{peak_mem()}")
-            log({"step": step, "val_loss": val})
+            record = {"step": step, "val_loss": val}
+            if ema is not None:   # the EMA weights, swapped in for the eval
+                with torch.no_grad():
+                    backup = [p.detach().clone() for p in params]
+                    torch._foreach_copy_(params, [e.to(p.dtype) for e, p in zip(ema, params)])
+                    record["val_loss_ema"] = evaluate()
+                    torch._foreach_copy_(params, backup)
+                    del backup
+            say(f"eval step {step} | val_loss {val:.4f} | tail-mean({len(tail)}) {sum(tail) / len(tail):.4f}"
+                + (f" | ema {record['val_loss_ema']:.4f}" if ema is not None else "") + peak_mem())
+            log(record)
             t0, n_window = time.time(), 0
         if last:
             if speeds:
@@ -432,13 +525,15 @@ def main(argv):
             break
         lr = lr_at(step)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             first = step * seqs_per_step + (rank * accum + micro) * cfg.micro_batch
             x, y = to_device(train_data.train_batch(first, cfg.micro_batch))
             sync = not ddp or micro == accum - 1           # DDP all-reduces gradients on the last micro-step only
-            with (nullcontext() if sync else model.no_sync()), autocast:
+            if cfg.fsdp:
+                model.set_requires_gradient_sync(sync)
+            with (nullcontext() if sync or cfg.fsdp else model.no_sync()), autocast:
                 _, loss = model(x, y)
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
@@ -448,13 +543,17 @@ def main(argv):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            with torch.no_grad():
+                for e, p in zip(ema, params):
+                    e.lerp_(p.detach().float(), 1 - cfg.ema_decay)
         step += 1
         n_window += 1
         pending.append((step, loss_sum / accum))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             flush(time.time() - t0, n_window)
             t0, n_window = time.time(), 0
-    if ddp:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -1,0 +1,246 @@
+"""
+Graft MHAR onto a pretrained Hugging Face Llama / Qwen3 checkpoint (the paper's mid-training setting,
+SPEC section 5): map its weights onto model.py, add the delta routing (every sublayer reads
+x = P + alpha * route(null, embedding, block deltas), alpha = 0), check that the converted model is the
+pretrained one bitwise, and write a checkpoint for train.py / sample.py / eval.py.
+
+  python convert.py --hf_dir=path/to/Llama-3.1-8B --out_dir=out/llama8b_delta [--route_heads=8] [--num_blocks=8]
+  python train.py config/midtrain_8b_delta.py --init_from=out/llama8b_delta --out_dir=out/llama8b_midtrain
+
+Reads config.json and model.safetensors or a sharded model.safetensors.index.json, one tensor at a time (no
+`transformers` needed): an 8B model converts in ~16 GB of RAM in bf16, ~32 GB during the fp32 identity check.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+from model import GPT, GPTConfig
+from prepare_data import load_tokenizer, tokenizer_id
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+# Hugging Face tensor names -> model.py names ({i} = layer)
+NAMES = {
+    "model.embed_tokens.weight": "wte.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "model.layers.{i}.input_layernorm.weight": "blocks.{i}.attn.norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "blocks.{i}.attn.q_proj.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "blocks.{i}.attn.k_proj.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "blocks.{i}.attn.v_proj.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "blocks.{i}.attn.o_proj.weight",
+    "model.layers.{i}.self_attn.q_norm.weight": "blocks.{i}.attn.q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "blocks.{i}.attn.k_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blocks.{i}.mlp.norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "blocks.{i}.mlp.gate_proj.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "blocks.{i}.mlp.up_proj.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "blocks.{i}.mlp.down_proj.weight",
+}
+IGNORED = ("rotary_emb.inv_freq",)   # buffers some exporters store; model.py recomputes them
+
+
+def model_config(hf, route_heads=None, num_blocks=8, block_size=None):
+    """GPTConfig of the delta model for a Hugging Face config.json dict. Raises ValueError on what it cannot map."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} (model_type {hf.get('model_type')!r}) is not supported: "
+                         f"convert.py reads {', '.join(ARCHITECTURES)}")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ValueError(f"{key}=true is not supported (model.py has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    # RoPE: classic keys (rope_theta, rope_scaling) or the rope_parameters dict of recent transformers
+    rope = hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = dict(rope) if rope else (dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None)
+    if scaling is not None:
+        scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling.pop("rope_theta", None)
+        if scaling["rope_type"] == "default":
+            scaling = None
+        elif scaling["rope_type"] != "llama3":
+            raise ValueError(f"rope scaling {scaling['rope_type']!r} is not supported (llama3 or none)")
+    n_head = hf["num_attention_heads"]
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], block_size=block_size or hf.get("max_position_embeddings", 4096),
+        n_layer=hf["num_hidden_layers"], n_head=n_head, n_kv_head=hf.get("num_key_value_heads", n_head),
+        n_embd=hf["hidden_size"], ffn_hidden=hf["intermediate_size"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head, qk_norm=ARCHITECTURES[arch] == "qwen3",
+        rope_theta=float(theta), rope_scaling=scaling, norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), residual="delta",
+        route_heads=route_heads, num_blocks=num_blocks)
+
+
+def shard_files(hf_dir):
+    """(file -> tensor names) of the checkpoint's safetensors, every file checked to exist."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = json.load(open(index))["weight_map"]
+        files = {}
+        for name, fname in weight_map.items():
+            files.setdefault(fname, []).append(name)
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = {"model.safetensors": None}
+    else:
+        raise FileNotFoundError(f"{hf_dir} holds neither model.safetensors nor model.safetensors.index.json")
+    missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+    if missing:
+        raise FileNotFoundError(f"shard(s) listed in the index are missing from {hf_dir}: {', '.join(sorted(missing))}")
+    return files
+
+
+def load_weights(hf_dir, cfg, dtype):
+    """model.py state dict (without routing parameters) from the safetensors shards, one tensor at a time."""
+    from safetensors import safe_open
+    expected = {k: v for k, v in _shapes(cfg).items()}
+    state = {}
+    for fname in sorted(shard_files(hf_dir)):
+        with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
+            for name in f.keys():
+                ours = _our_name(name)
+                if ours is None:
+                    if name.endswith(IGNORED) or (name == "lm_head.weight" and cfg.tie_embeddings):
+                        continue
+                    raise ValueError(f"{fname}: unexpected tensor {name!r} (not a Llama/Qwen3 weight this converter maps)")
+                if ours not in expected:
+                    raise ValueError(f"{fname}: tensor {name!r} does not fit the config (no {ours} in the model; "
+                                     "qk-norm weights in a Llama checkpoint, or a layer beyond num_hidden_layers?)")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != expected[ours]:
+                    raise ValueError(f"{fname}: {name} has shape {tuple(t.shape)}, the config implies {expected[ours]}")
+                state[ours] = t.to(dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"{len(missing)} weight(s) not found in the checkpoint, e.g. {', '.join(missing[:4])}")
+    return state
+
+
+def _our_name(name):
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        pattern = ".".join(parts[:2] + ["{i}"] + parts[3:])
+        return NAMES[pattern].format(i=parts[2]) if pattern in NAMES else None
+    return NAMES.get(name)
+
+
+def _shapes(cfg):
+    """Shapes of every non-routing parameter of the model, computed without allocating it."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_dict({**cfg.__dict__, "residual": "baseline"}))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()
+            if not (k == "lm_head.weight" and cfg.tie_embeddings)}   # tied: the embedding is the LM head
+
+
+def build(cfg, weights):
+    """The delta model around the given weights (no copy), routing parameters at their initial values."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    routing = {f"routes.{k}.{p}": init(cfg.n_embd) for k in range(cfg.n_sites)
+               for p, init in (("q", torch.zeros), ("g", torch.ones), ("null", torch.zeros),
+                               ("alpha", lambda d: torch.zeros(())))}
+    dtype = next(iter(weights.values())).dtype
+    model.load_state_dict({**weights, **{k: v.to(dtype) for k, v in routing.items()}}, assign=True,
+                          strict=not cfg.tie_embeddings)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.wte.weight
+    model.reset_buffers()
+    return model
+
+
+def identity_check(model, n_batches=3, seq_len=64, device="cpu", seed=0):
+    """Largest |logit difference| between the delta model (alpha = 0) and the same weights as a plain
+    pre-norm Transformer, on random token batches, in fp32. Converts the model to fp32 in place."""
+    model.float().to(device)
+    base = build_baseline(model)
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    with torch.no_grad():
+        for _ in range(n_batches):
+            idx = torch.randint(0, model.cfg.vocab_size, (2, min(seq_len, model.cfg.block_size)), generator=gen).to(device)
+            a, b = model(idx)[0], base(idx)[0]
+            if not torch.equal(a, b):
+                worst = max(worst, (a - b).abs().max().item(), float("inf") if torch.isnan(a).any() else 0.0)
+    return worst
+
+
+def build_baseline(model):
+    """The same weights (shared, not copied) as a residual='baseline' model."""
+    cfg = GPTConfig.from_dict({**model.cfg.__dict__, "residual": "baseline"})
+    with torch.device("meta"):
+        base = GPT(cfg)
+    base.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("routes.")}, assign=True)
+    if cfg.tie_embeddings:
+        base.lm_head.weight = base.wte.weight
+    base.reset_buffers(device=next(model.parameters()).device)
+    return base
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf_dir", required=True, help="folder with config.json and the safetensors weights")
+    p.add_argument("--out_dir", required=True, help="where ckpt.pt (and tokenizer.json) are written")
+    p.add_argument("--route_heads", type=int, default=None, help="routing heads H (default 8)")
+    p.add_argument("--num_blocks", type=int, default=8, help="blocks of layers whose deltas are sources (default 8)")
+    p.add_argument("--tokenizer", default=None, help="tiktoken encoding name or a tokenizer.json path "
+                   "(default: the checkpoint's tokenizer.json)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of the written weights")
+    p.add_argument("--block_size", type=int, default=None, help="longest sequence (default max_position_embeddings)")
+    p.add_argument("--check_batches", type=int, default=3, help="random batches of the identity check (0 = skip)")
+    p.add_argument("--device", default="cpu", help="device of the identity check (cpu | cuda)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing converted checkpoint in --out_dir")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    try:
+        out = os.path.join(args.out_dir, "ckpt.pt")
+        if os.path.exists(out) and not args.force:
+            raise FileExistsError(f"{out} exists: choose another --out_dir or pass --force")
+        hf = json.load(open(os.path.join(args.hf_dir, "config.json")))
+        cfg = model_config(hf, args.route_heads, args.num_blocks, args.block_size)
+        tok_src = args.tokenizer or os.path.join(args.hf_dir, "tokenizer.json")
+        if tok_src.endswith(".json") and not os.path.isfile(tok_src):
+            if args.tokenizer:
+                raise FileNotFoundError(f"--tokenizer={tok_src}: no such file")
+            tok_src = None
+        if tok_src is not None:
+            load_tokenizer(tok_src)   # fail before the long part
+        weights = load_weights(args.hf_dir, cfg, getattr(torch, args.dtype))
+        model = build(cfg, weights)
+        del weights
+        n = sum(p.numel() for p in model.parameters())
+        print(f"{ARCHITECTURES[hf['architectures'][0]]}: {cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head}/{cfg.n_kv_head} heads "
+              f"of {cfg.hd}, vocab {cfg.vocab_size}, {n:,} parameters; delta routing: {cfg.n_sites} sites, "
+              f"H {cfg.heads}, {cfg.num_blocks} blocks of {cfg.n_layer // cfg.num_blocks} layers")
+        if args.check_batches:
+            worst = identity_check(model, args.check_batches, device=args.device)
+            if worst != 0.0:
+                raise RuntimeError(f"identity check failed: alpha = 0 changed the logits by up to {worst:.3g}; nothing written")
+            print(f"identity check: {args.check_batches} random batches of 2 x {min(64, cfg.block_size)} tokens, fp32 logits "
+                  "with alpha = 0 equal the pretrained model's bitwise")
+        model.to("cpu", getattr(torch, args.dtype))
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
+        sys.exit(f"convert.py: error: {e}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    tokenizer = None
+    if tok_src is not None and tok_src.endswith(".json"):
+        shutil.copyfile(tok_src, os.path.join(args.out_dir, "tokenizer.json"))
+        tokenizer = "tokenizer.json"   # relative to the checkpoint's folder
+    elif tok_src is not None:
+        tokenizer = tok_src
+    else:
+        print("warning: no tokenizer found or given; sample.py and eval.py will need one (--tokenizer)")
+    ckpt = {"model": model.state_dict(), "model_config": cfg.__dict__, "step": 0, "tokenizer": tokenizer,
+            "tokenizer_id": tokenizer_id(os.path.join(args.out_dir, tokenizer)) if tokenizer and tokenizer.endswith(".json")
+            else tokenizer, "converted_from": {"hf_dir": os.path.abspath(args.hf_dir), "config": hf},
+            "train_config": None, "optimizer": None}
+    torch.save(ckpt, out + ".tmp")
+    os.replace(out + ".tmp", out)
+    print(f"wrote {out} ({args.dtype}) in {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
