@@ -226,7 +226,7 @@ def test_bad_model_configs(kw, msg):
     (["--max_steps=ten"], r"max_steps='ten' has type str, expected int"),
     (["--compile=1"], r"compile=1 has type int, expected bool"),
     (["--lr"], r"write options as --key=value"),
-    (["--init_from=resumee"], r"init_from='resumee' is not one of"),
+    (["--lr_schedule=cos"], r"lr_schedule='cos' is not one of cosine, linear, 1-sqrt"),
     (["--n_embd=512", "--route_heads=3"], r"n_embd=512 must be divisible by route_heads=3"),
     (["no_such_config.py"], r"config file 'no_such_config.py' not found"),
 ])
@@ -375,6 +375,8 @@ def test_training_loss_falls_and_sample(tmp_path, data_dir):
     # starting over in the same out_dir would overwrite the checkpoint: refused
     r = run_train(out, data_dir, "--max_steps=2")
     assert r.returncode != 0 and "--init_from=resume" in r.stderr
+    r = run_train(str(tmp_path / "typo"), data_dir, "--max_steps=2", "--init_from=resumee")
+    assert r.returncode != 0 and "init_from='resumee' is not scratch, resume, or the out_dir of convert.py" in r.stderr
     # activation checkpointing recomputes sublayers: the same losses
     ckpt_out = str(tmp_path / "ac")
     r = run_train(ckpt_out, data_dir, "--max_steps=5", "--eval_interval=5", "--activation_checkpointing=True")
