@@ -400,13 +400,22 @@ class GPT(nn.Module):
         a block delta being the stream at the end of a block minus the stream at its start."""
         sites = self.routing_sites()
         per_block = 2 * self.cfg.n_layer // self.cfg.num_blocks   # sublayers per block
+        fused = self._fused(x) and not return_routing
         history, start = [x], x                                    # embedding; stream at the block's start
         for k, (site, sub) in enumerate(zip(sites, subs)):
             if k and k % per_block == 0:                           # a block just completed: its delta is a source
                 history.append(x - start)
                 start = x
-            stacked = torch.stack([site.null.to(x.dtype).expand_as(x)] + history)   # sources: (N, B, T, d)
-            h = x + site.alpha.to(x.dtype) * self._route_stack(site, stacked, routing, return_routing)
+            if fused:   # routing_kernel.route_delta: the history stacked once per block, the null as a source
+                if k % per_block == 0:
+                    from routing_kernel import rms_factors, route_delta
+                    hist = torch.stack(history)                    # (N, B, T, d)
+                    r = rms_factors(hist, self.cfg.norm_eps)
+                routed = route_delta(hist, r, site.null, site.q, site.g, site.heads, site.eps)
+            else:
+                stacked = torch.stack([site.null.to(x.dtype).expand_as(x)] + history)   # sources: (N, B, T, d)
+                routed = self._route_stack(site, stacked, routing, return_routing)
+            h = x + site.alpha.to(x.dtype) * routed
             x = x + self._run(sub, h, cos, sin)
         return x
 
@@ -434,7 +443,7 @@ class GPT(nn.Module):
                       "(every site re-stacks the depth history) and O(L^2) activation memory. Set "
                       "routing_impl='reference' to silence this. ***", file=sys.stderr)
             return False
-        if self._router is None:
+        if self._router is None and self.cfg.residual != "delta":   # delta calls are stateless: no chain
             self._router = routing_kernel.FusedRouter(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps)
         return True
 

@@ -253,6 +253,125 @@ if triton is not None:
             tl.store(DQG + h * D + cols, dw * g, mask=cmask)
             tl.store(DQG + DM + h * D + cols, dw * q, mask=cmask)
 
+    # ---- per-call routing for delta mode (SPEC section 5): a few sources, no chain state --------------
+    # Sources of a call: the site's null vector (broadcast over tokens) first, then the stacked history
+    # HIST [N, M, d] (embedding + completed block deltas) with RMS factors R [N, M] computed once per block.
+
+    @triton.jit
+    def _null_source(NULL, h, cols, cmask, eps, DM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The null vector's tile (its head slice, broadcast over the rows) and RMS factor (per row)."""
+        sumsq = 0.0
+        for c0 in tl.static_range(0, DM, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            v = tl.load(NULL + cc, mask=cc < DM, other=0.0).to(tl.float32)
+            sumsq += tl.sum(v * v, axis=0)
+        r = tl.zeros((BLOCK_M,), tl.float32) + 1.0 / tl.sqrt(sumsq / DM + eps)
+        s = tl.zeros((BLOCK_M, BLOCK_D), tl.float32) + tl.load(NULL + h * D + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        return s, r
+
+    @triton.jit
+    def _delta_fwd(
+        HIST, R,        # [N, M, DM] history sources, [N, M] fp32 RMS factors
+        NULL, Q, G,     # [DM] this site's null source, query and key gain
+        OUT,            # [M, DM] routed output, the history's dtype
+        LSE,            # [H, M] fp32 log-sum-exp of the logits (saved for backward)
+        M, N, eps,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
+    ):
+        h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
+        w = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
+            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
+        m_i, l_i, acc = _online_softmax_step(tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+                                             tl.zeros((BLOCK_M, BLOCK_D), tl.float32), s, r, w)
+        for n in tl.range(0, N, num_stages=STAGES):
+            s = tl.load(HIST + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
+        tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
+        tl.store(LSE + h.to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
+
+    @triton.jit
+    def _delta_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG, off, rmask):
+        """One source of the backward site pass: accumulate c, P, Q; store da and the logit."""
+        logit = r * tl.sum(s * w[None, :], axis=1)
+        alpha = tl.exp(logit - lse)
+        da = tl.sum(g_up * s, axis=1)
+        tl.store(DA + off, da, mask=rmask)
+        tl.store(LG + off, logit, mask=rmask)
+        return c + alpha * da, acc_p + (alpha * da * r)[:, None] * s, acc_q + (alpha * r)[:, None] * s
+
+    @triton.jit
+    def _delta_bwd_site(
+        HIST, R, NULL, Q, G, LSE,   # as in _delta_fwd (read)
+        GOUT,                       # [M, DM] upstream gradient, contiguous
+        DA, LG,                     # [N+1, H, M] fp32 per-source da and logit (source 0 = the null vector)
+        C,                          # [H, M] fp32 c = sum_n alpha da
+        PART,                       # [num_token_blocks, DM] fp32 partial sums of dw
+        M, N, eps,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
+    ):
+        h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
+        w = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
+            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        g_up = tl.load(GOUT + tile, mask=mask, other=0.0).to(tl.float32)
+        lse = tl.load(LSE + h.to(tl.int64) * M + rows64, mask=rmask, other=0.0)
+        s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
+        c, acc_p, acc_q = _delta_pass_step(tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M, BLOCK_D), tl.float32),
+                                           tl.zeros((BLOCK_M, BLOCK_D), tl.float32), s, r, w, g_up, lse, DA, LG,
+                                           h.to(tl.int64) * M + rows64, rmask)
+        for n in tl.range(0, N, num_stages=STAGES):
+            s = tl.load(HIST + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            c, acc_p, acc_q = _delta_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG,
+                                               ((n + 1) * H + h).to(tl.int64) * M + rows64, rmask)
+        tl.store(C + h.to(tl.int64) * M + rows64, c, mask=rmask)
+        tl.store(PART + pm.to(tl.int64) * DM + h * D + cols, tl.sum(acc_p - c[:, None] * acc_q, axis=0), mask=cmask)
+
+    @triton.jit
+    def _delta_source_grad(s, r, g_up, w, n, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm, H: tl.constexpr):
+        """ds of one source: alpha G + r dlogit w - (r^2 / d) K s, K = sum_h dlogit logit (all heads)."""
+        off = ((n * H + heads[:, None]) * M).to(tl.int64) + rows64[None, :]
+        lg = tl.load(LG + off, mask=hmask, other=0.0)
+        alpha = tl.exp(lg - lse_all)
+        dlogit = alpha * (tl.load(DA + off, mask=hmask, other=0.0) - c_all)
+        k = tl.sum(dlogit * lg, axis=0)
+        a_h = tl.sum(tl.where(own, alpha, 0.0), axis=0)
+        dl_h = tl.sum(tl.where(own, dlogit, 0.0), axis=0)
+        return a_h[:, None] * g_up + (r * dl_h)[:, None] * w[None, :] - (r * r * k * inv_dm)[:, None] * s
+
+    @triton.jit
+    def _delta_bwd_sources(
+        HIST, R, NULL, Q, G, LSE, GOUT, DA, LG, C,   # as above (read)
+        DHIST,                                       # [N, M, DM] gradient of the history, its dtype
+        PARTNULL,                                    # [num_token_blocks, DM] fp32 partial sums of the null's gradient
+        M, N, eps, inv_dm,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+    ):
+        h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
+        heads = tl.arange(0, BLOCK_H)
+        hmask = (heads[:, None] < H) & rmask[None, :]
+        own = heads[:, None] == h
+        w = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
+            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        g_up = tl.load(GOUT + tile, mask=mask, other=0.0).to(tl.float32)
+        hoff = (heads[:, None] * M).to(tl.int64) + rows64[None, :]
+        lse_all = tl.load(LSE + hoff, mask=hmask, other=0.0)
+        c_all = tl.load(C + hoff, mask=hmask, other=0.0)
+        s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
+        ds = _delta_source_grad(s, r, g_up, w, 0, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm, H)
+        tl.store(PARTNULL + pm.to(tl.int64) * DM + h * D + cols, tl.sum(tl.where(mask, ds, 0.0), axis=0), mask=cmask)
+        for n in tl.range(0, N, num_stages=STAGES):
+            s = tl.load(HIST + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            ds = _delta_source_grad(s, r, g_up, w, n + 1, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm, H)
+            tl.store(DHIST + (n * M).to(tl.int64) * DM + tile, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
+
+
 
 def _block_m(tile, block_d):
     if os.environ.get("TRITON_INTERPRET", "0") == "1":   # no registers to spare there: fewer, larger programs
@@ -412,6 +531,72 @@ class FusedRouter:
         return out.view(B, T, d)
 
 
+# ---- delta mode: one stateless autograd Function per routing call ---------------------------------------
+
+def rms_factors(hist, eps):
+    """fp32 RMS factors (N, ...) of stacked sources (N, ..., d), computed once per block of delta sites.
+    Not differentiated: route_delta's backward carries the RMS term itself."""
+    with torch.no_grad():
+        ms = torch.linalg.vector_norm(hist, dim=-1, dtype=torch.float32).pow_(2).div_(hist.size(-1))
+        return torch.rsqrt(ms.add_(eps))
+
+
+class _DeltaRoute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hist, r, null, q, g, heads, eps):
+        N, M, d = hist.shape
+        check_envelope(d, heads, hist.dtype)
+        D = d // heads
+        block_d = triton.next_power_of_2(D)
+        tile, warps, stages = CONFIG["fwd"]
+        bm = _block_m(tile, block_d)
+        out = torch.empty(M, d, dtype=hist.dtype, device=hist.device)
+        lse = torch.empty(heads, M, dtype=torch.float32, device=hist.device)
+        _delta_fwd[(triton.cdiv(M, bm) * heads,)](hist, r, null, q, g, out, lse, M, N, eps, DM=d, H=heads, D=D,
+                                                   BLOCK_M=bm, BLOCK_D=block_d, BLOCK_C=min(1024, triton.next_power_of_2(d)),
+                                                   STAGES=stages, num_warps=warps)
+        ctx.save_for_backward(hist, r, null, q, g, lse)
+        ctx.heads, ctx.eps = heads, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):
+        hist, r, null, q, g, lse = ctx.saved_tensors
+        N, M, d = hist.shape
+        H, D = ctx.heads, d // ctx.heads
+        block_d, block_c = triton.next_power_of_2(D), min(1024, triton.next_power_of_2(d))
+        gout = gout.to(hist.dtype).contiguous()
+        scal = dict(dtype=torch.float32, device=hist.device)
+        da, lg, c = torch.empty(N + 1, H, M, **scal), torch.empty(N + 1, H, M, **scal), torch.empty(H, M, **scal)
+        tile, warps, stages = CONFIG["site"]
+        bm = _block_m(tile, block_d)
+        part = torch.empty(triton.cdiv(M, bm), d, **scal)
+        _delta_bwd_site[(triton.cdiv(M, bm) * H,)](hist, r, null, q, g, lse, gout, da, lg, c, part, M, N, ctx.eps,
+                                                    DM=d, H=H, D=D, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_C=block_c,
+                                                    STAGES=stages, num_warps=warps)
+        tile, warps, stages = CONFIG["gather"]
+        bm = _block_m(tile, block_d)
+        dhist = torch.empty_like(hist)
+        partnull = torch.empty(triton.cdiv(M, bm), d, **scal)
+        _delta_bwd_sources[(triton.cdiv(M, bm) * H,)](hist, r, null, q, g, lse, gout, da, lg, c, dhist, partnull,
+                                                       M, N, ctx.eps, 1.0 / d, DM=d, H=H, D=D, BLOCK_M=bm,
+                                                       BLOCK_D=block_d, BLOCK_C=block_c,
+                                                       BLOCK_H=triton.next_power_of_2(H), STAGES=stages, num_warps=warps)
+        dw = part.sum(0)
+        return (dhist, None, partnull.sum(0).to(null.dtype), (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype),
+                None, None)
+
+
+@torch.compiler.disable
+def route_delta(hist, r, null, q, g, heads, eps):
+    """Delta-mode routing of one site: sources = [null, *hist]; hist (N, B, T, d), r = rms_factors(hist).
+    Stateless (each call saves its own inputs), so it composes with FSDP and activation checkpointing."""
+    N, B, T, d = hist.shape
+    out = _DeltaRoute.apply(hist.reshape(N, B * T, d).contiguous(), r.reshape(N, B * T).contiguous(),
+                            null.to(hist.dtype).contiguous(), q, g, heads, eps)
+    return out.view(B, T, d)
+
+
 # -----------------------------------------------------------------------------
 # quick check and timing: python routing_kernel.py [--bench]
 
@@ -502,10 +687,53 @@ def main(argv):
                 print(f"{name:11s} fused kernels (profiler, ms): {profile_chain(N, B, T, d, H, device)}", flush=True)
             except Exception as e:   # the profiler's event fields move between torch versions
                 print(f"profiler failed: {e!r}")
+    if "--delta" in argv:   # issue 4: delta routing of an 8B Llama (32 layers, 8 blocks), 2 x 4096 tokens
+        for impl in ("fused", "reference-ckpt"):
+            t, mem = time_delta(impl, device)
+            rows.append(dict(shape="8B-delta", impl=impl, ms=t, peak_gb=mem))
+            print(f"8B delta   {impl:15s} {t:8.1f} ms  peak {mem:.2f} GB  (64 sites, H 8, 2 x 4096 tokens, d 4096)", flush=True)
     if os.environ.get("OUT"):
         import json
         with open(os.path.join(os.environ["OUT"], "routing_bench.json"), "w") as f:
             json.dump({"copy_gbps": copy_bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+def time_delta(impl, device, B=2, T=4096, d=4096, H=8, n_layer=32, num_blocks=8):
+    """All 2L delta routing calls of a forward + backward: block b's sites mix null + b + 1 history sources.
+    reference-ckpt: route_reference on the stacked sources, each call under activation checkpointing (as the
+    paper's reference), fused: route_delta. Returns (median ms, peak GB above the inputs)."""
+    from model import route_reference
+    from triton.testing import do_bench
+    gen = torch.Generator(device=device).manual_seed(0)
+    history = [torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+               for _ in range(num_blocks)]
+    sites = [[(torch.randn(d, device=device) * 0.1).requires_grad_(True) for _ in range(3)] for _ in range(2 * n_layer)]
+    up = torch.randn(B, T, d, device=device, dtype=torch.bfloat16)
+    per_block = 2 * n_layer // num_blocks
+
+    def ref_call(stacked, null, q, g):
+        return route_reference(torch.cat([null.to(stacked.dtype).expand(1, *stacked.shape[1:]), stacked]), q, g, H)
+
+    def step():
+        total = None
+        for k, (null, q, g) in enumerate(sites):
+            if k % per_block == 0:
+                hist = torch.stack(history[: k // per_block + 1])
+                r = rms_factors(hist, 1e-6) if impl == "fused" else None
+            if impl == "fused":
+                out = route_delta(hist, r, null, q, g, H, 1e-6)
+            else:
+                out = torch.utils.checkpoint.checkpoint(ref_call, hist, null, q, g, use_reentrant=False)
+            total = out if total is None else total + out
+        total.backward(up)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    mem = (torch.cuda.max_memory_allocated() - base) / 1e9
+    return do_bench(step, warmup=1, rep=1, return_mode="median"), mem
 
 
 def check_large(device):

@@ -214,7 +214,9 @@ def test_optimizer_groups():
     (dict(residual="attnres", route_heads=4), r"single-head"),
     (dict(routing_impl="cuda"), r"routing_impl='cuda'"),
     (dict(n_layer=0), r"n_layer=0 must be a positive integer"),
-    (dict(n_embd=36, n_head=4), r"head_dim=9 must be even"),
+    (dict(n_embd=36, n_head=4), r"head_dim=9 must be an even positive integer"),
+    (dict(residual="delta", n_layer=3, num_blocks=2), r"num_blocks=2 must divide n_layer=3"),
+    (dict(rope_scaling={"rope_type": "yarn"}), r"only rope_type .llama3."),
 ])
 def test_bad_model_configs(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -853,3 +855,33 @@ def test_fsdp_two_processes_match_one(tmp_path, data_dir):
     r = run_train(two, data_dir, "--max_steps=8", "--eval_interval=3", "--fsdp=True", "--init_from=resume", nproc=2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(read_log(two)[0]) == list(range(1, 9))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_fused_delta_matches_reference(tmp_path, checkpoint):
+    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["qwen3"])
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={out}", "--dtype=float32", "--num_blocks=2", "--route_heads=2",
+                  "--check_batches=0", "--tokenizer=gpt2"])
+    models = []
+    gen = torch.Generator().manual_seed(1)
+    for impl in ("reference", "fused"):
+        m = GPT.from_checkpoint(out).to(DEVICE)
+        m.cfg.routing_impl = impl
+        m.checkpoint_sublayers = checkpoint
+        gen.manual_seed(1)
+        with torch.no_grad():   # live routing: alpha, queries and null vectors away from their initial values
+            for site in m.routing_sites():
+                site.alpha.fill_(0.7)
+                site.q.copy_(torch.randn(site.q.shape, generator=gen).to(DEVICE))
+                site.null.copy_(0.3 * torch.randn(site.null.shape, generator=gen).to(DEVICE))
+        models.append(m)
+    idx = torch.randint(0, 300, (2, 37), device=DEVICE)
+    outs = []
+    for m in models:
+        logits, loss = m(idx, idx)
+        loss.backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
+    for name, grad in outs[0][1].items():
+        assert rel_err(outs[1][1][name].double(), grad.double()) < 1e-4, name
