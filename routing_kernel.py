@@ -105,6 +105,18 @@ if triton is not None:
         return h, pm, rows64, cols, rmask, cmask, rmask[:, None] & cmask[None, :], rows64[:, None] * DM + h * D + cols[None, :]
 
     @triton.jit
+    def _head_w(Q, G, h, cols, cmask, D: tl.constexpr):
+        """w = q * g on this program's head slice, fp32 (the key gain folded into the query)."""
+        return tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
+            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _source(S, R, n, M, tile, mask, rows64, rmask, DM: tl.constexpr):
+        """Tile of source n of a [N, M, DM] buffer (fp32) and its RMS factors from R [N, M]."""
+        s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+        return s, tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+
+    @triton.jit
     def _online_softmax_step(m_i, l_i, acc, s, r, w):
         """Add source s (tile, fp32) with RMS factor r to the running max m_i, denominator l_i and mix acc."""
         logit = r * tl.sum(s * w[None, :], axis=1)
@@ -141,8 +153,7 @@ if triton is not None:
         s_new = tl.load(NEW + tile, mask=mask, other=0.0)
         tl.store(S + slot + tile, s_new, mask=mask)
 
-        w = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
-            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = _head_w(Q, G, h, cols, cmask, D)
         tl.store(W + (j - 1) * DM + h * D + cols, w, mask=cmask & ((cols * 0 + pm) == 0))   # token block 0 writes w
 
         # online softmax over the older sources, then the newest one from registers
@@ -150,8 +161,7 @@ if triton is not None:
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for n in tl.range(0, j - 1, num_stages=STAGES):
-            s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            s, r = _source(S, R, n, M, tile, mask, rows64, rmask, DM)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s_new.to(tl.float32), r_new, w)
         tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
@@ -185,8 +195,7 @@ if triton is not None:
         acc_p = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         acc_q = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for n in tl.range(0, j, num_stages=STAGES):
-            s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            s, r = _source(S, R, n, M, tile, mask, rows64, rmask, DM)
             logit = r * tl.sum(s * w[None, :], axis=1)
             alpha = tl.exp(logit - lse)
             da = tl.sum(g_up * s, axis=1)
@@ -216,8 +225,7 @@ if triton is not None:
         own = heads[:, None] == h
         n = j - 1
 
-        s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+        s, r = _source(S, R, n, M, tile, mask, rows64, rmask, DM)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)     # sum_j' alpha_j'[n] G_j'
         u = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)       # sum_j' dlogit_j'[n] w_j'
         k = tl.zeros((BLOCK_M,), tl.float32)               # sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
@@ -281,14 +289,12 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
     ):
         h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
-        w = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
-            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = _head_w(Q, G, h, cols, cmask, D)
         s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
         m_i, l_i, acc = _online_softmax_step(tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
                                              tl.zeros((BLOCK_M, BLOCK_D), tl.float32), s, r, w)
         for n in tl.range(0, N, num_stages=STAGES):
-            s = tl.load(HIST + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
         tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
         tl.store(LSE + h.to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
@@ -315,8 +321,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
     ):
         h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
-        w = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
-            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = _head_w(Q, G, h, cols, cmask, D)
         g_up = tl.load(GOUT + tile, mask=mask, other=0.0).to(tl.float32)
         lse = tl.load(LSE + h.to(tl.int64) * M + rows64, mask=rmask, other=0.0)
         s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
@@ -324,8 +329,7 @@ if triton is not None:
                                            tl.zeros((BLOCK_M, BLOCK_D), tl.float32), s, r, w, g_up, lse, DA, LG,
                                            h.to(tl.int64) * M + rows64, rmask)
         for n in tl.range(0, N, num_stages=STAGES):
-            s = tl.load(HIST + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
             c, acc_p, acc_q = _delta_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG,
                                                ((n + 1) * H + h).to(tl.int64) * M + rows64, rmask)
         tl.store(C + h.to(tl.int64) * M + rows64, c, mask=rmask)
@@ -356,8 +360,7 @@ if triton is not None:
         heads = tl.arange(0, BLOCK_H)
         hmask = (heads[:, None] < H) & rmask[None, :]
         own = heads[:, None] == h
-        w = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
-            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = _head_w(Q, G, h, cols, cmask, D)
         g_up = tl.load(GOUT + tile, mask=mask, other=0.0).to(tl.float32)
         hoff = (heads[:, None] * M).to(tl.int64) + rows64[None, :]
         lse_all = tl.load(LSE + hoff, mask=hmask, other=0.0)
@@ -366,8 +369,7 @@ if triton is not None:
         ds = _delta_source_grad(s, r, g_up, w, 0, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm, H)
         tl.store(PARTNULL + pm.to(tl.int64) * DM + h * D + cols, tl.sum(tl.where(mask, ds, 0.0), axis=0), mask=cmask)
         for n in tl.range(0, N, num_stages=STAGES):
-            s = tl.load(HIST + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
             ds = _delta_source_grad(s, r, g_up, w, n + 1, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm, H)
             tl.store(DHIST + (n * M).to(tl.int64) * DM + tile, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
 
