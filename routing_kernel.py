@@ -700,6 +700,17 @@ def main(argv):
             json.dump({"copy_gbps": copy_bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
+def _peak_gb(step):
+    """Peak memory one call of step() allocates above what is allocated before it, in GB."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
 def time_delta(impl, device, B=2, T=4096, d=4096, H=8, n_layer=32, num_blocks=8):
     """All 2L delta routing calls of a forward + backward: block b's sites mix null + b + 1 history sources.
     reference-ckpt: route_reference on the stacked sources, each call under activation checkpointing (as the
@@ -728,14 +739,8 @@ def time_delta(impl, device, B=2, T=4096, d=4096, H=8, n_layer=32, num_blocks=8)
                 out = torch.utils.checkpoint.checkpoint(ref_call, hist, null, q, g, use_reentrant=False)
             total = out if total is None else total + out
         total.backward(up)
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    mem = (torch.cuda.max_memory_allocated() - base) / 1e9
-    return do_bench(step, warmup=1, rep=1, return_mode="median"), mem
+    step()                      # compile
+    return do_bench(step, warmup=1, rep=1, return_mode="median"), _peak_gb(step)
 
 
 def check_large(device):
@@ -844,13 +849,7 @@ def time_chain(impl, N, B, T, d, H, device, ref_compiled, graph=False):
         out.backward(up)
     step()                      # compile
     router.chain = None         # measure memory from scratch: the chain's buffers count
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    mem = (torch.cuda.max_memory_allocated() - base) / 1e9
+    mem = _peak_gb(step)
     if graph:   # GPU time alone: replay the whole chain from a CUDA graph (no Python, no launch gaps)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
