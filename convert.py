@@ -97,7 +97,7 @@ def shard_files(hf_dir):
 def load_weights(hf_dir, cfg, dtype):
     """model.py state dict (without routing parameters) from the safetensors shards, one tensor at a time."""
     from safetensors import safe_open
-    expected = {k: v for k, v in _shapes(cfg).items()}
+    expected = _shapes(cfg)
     state = {}
     for fname in sorted(shard_files(hf_dir)):
         with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
@@ -136,20 +136,25 @@ def _shapes(cfg):
             if not (k == "lm_head.weight" and cfg.tie_embeddings)}   # tied: the embedding is the LM head
 
 
-def build(cfg, weights):
-    """The delta model around the given weights (no copy), routing parameters at their initial values."""
+def _around(cfg, state, device=None):
+    """A model of cfg whose parameters are the tensors of `state` (no copy): built on the meta device,
+    the tensors assigned, the LM head re-tied, the RoPE tables computed."""
     with torch.device("meta"):
         model = GPT(cfg)
-    routing = {f"routes.{k}.{p}": init(cfg.n_embd) for k in range(cfg.n_sites)
-               for p, init in (("q", torch.zeros), ("g", torch.ones), ("null", torch.zeros),
-                               ("alpha", lambda d: torch.zeros(())))}
-    dtype = next(iter(weights.values())).dtype
-    model.load_state_dict({**weights, **{k: v.to(dtype) for k, v in routing.items()}}, assign=True,
-                          strict=not cfg.tie_embeddings)
+    model.load_state_dict(state, assign=True, strict=False)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.wte.weight
-    model.reset_buffers()
+    model.reset_buffers(device)
     return model
+
+
+def build(cfg, weights):
+    """The delta model around the given weights, routing parameters at their initial values."""
+    dtype = next(iter(weights.values())).dtype
+    routing = {f"routes.{k}.{p}": init(cfg.n_embd).to(dtype) for k in range(cfg.n_sites)
+               for p, init in (("q", torch.zeros), ("g", torch.ones), ("null", torch.zeros),
+                               ("alpha", lambda d: torch.zeros(())))}
+    return _around(cfg, {**weights, **routing})
 
 
 def identity_check(model, n_batches=3, seq_len=64, device="cpu", seed=0):
@@ -171,13 +176,8 @@ def identity_check(model, n_batches=3, seq_len=64, device="cpu", seed=0):
 def build_baseline(model):
     """The same weights (shared, not copied) as a residual='baseline' model."""
     cfg = GPTConfig.from_dict({**model.cfg.__dict__, "residual": "baseline"})
-    with torch.device("meta"):
-        base = GPT(cfg)
-    base.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("routes.")}, assign=True)
-    if cfg.tie_embeddings:
-        base.lm_head.weight = base.wte.weight
-    base.reset_buffers(device=next(model.parameters()).device)
-    return base
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("routes.")}
+    return _around(cfg, state, device=next(model.parameters()).device)
 
 
 def main(argv=None):

@@ -296,9 +296,11 @@ def main(argv):
             diff.append(f"decay horizon (lr_decay_steps, -1 = max_steps): {old_horizon} -> "
                         f"{cfg.lr_decay_steps if cfg.lr_decay_steps > 0 else cfg.max_steps}; "
                         f"pass --lr_decay_steps={old_horizon} to keep the old schedule")
-        for k in ("tokenizer_id", "train_tokens"):
-            if ckpt["meta"].get(k, ckpt["meta"]["tokenizer"]) != meta.get(k, meta["tokenizer"]):
-                diff.append(f"data {k}: {ckpt['meta'].get(k)!r} -> {meta.get(k)!r}")
+        tok_id = lambda m: m.get("tokenizer_id", m["tokenizer"])   # older meta.json files have no tokenizer_id
+        for name, old_v, new_v in (("tokenizer", tok_id(ckpt["meta"]), tok_id(meta)),
+                                   ("train_tokens", ckpt["meta"]["train_tokens"], meta["train_tokens"])):
+            if old_v != new_v:
+                diff.append(f"data {name}: {old_v!r} -> {new_v!r}")
         if diff:
             sys.exit("train.py: error: cannot resume, the config differs from the checkpoint's:\n  " + "\n  ".join(diff)
                      + "\nuse the checkpoint's values, or a new out_dir with --init_from=scratch")
