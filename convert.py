@@ -136,25 +136,13 @@ def _shapes(cfg):
             if not (k == "lm_head.weight" and cfg.tie_embeddings)}   # tied: the embedding is the LM head
 
 
-def _around(cfg, state, device=None):
-    """A model of cfg whose parameters are the tensors of `state` (no copy): built on the meta device,
-    the tensors assigned, the LM head re-tied, the RoPE tables computed."""
-    with torch.device("meta"):
-        model = GPT(cfg)
-    model.load_state_dict(state, assign=True, strict=False)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.wte.weight
-    model.reset_buffers(device)
-    return model
-
-
 def build(cfg, weights):
     """The delta model around the given weights, routing parameters at their initial values."""
     dtype = next(iter(weights.values())).dtype
     routing = {f"routes.{k}.{p}": init(cfg.n_embd).to(dtype) for k in range(cfg.n_sites)
                for p, init in (("q", torch.zeros), ("g", torch.ones), ("null", torch.zeros),
                                ("alpha", lambda d: torch.zeros(())))}
-    return _around(cfg, {**weights, **routing})
+    return GPT.from_state(cfg, {**weights, **routing})
 
 
 def identity_check(model, n_batches=3, seq_len=64, device="cpu", seed=0):
@@ -177,7 +165,7 @@ def build_baseline(model):
     """The same weights (shared, not copied) as a residual='baseline' model."""
     cfg = GPTConfig.from_dict({**model.cfg.__dict__, "residual": "baseline"})
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("routes.")}
-    return _around(cfg, state, device=next(model.parameters()).device)
+    return GPT.from_state(cfg, state, device=next(model.parameters()).device)
 
 
 def main(argv=None):

@@ -510,6 +510,21 @@ class GPT(nn.Module):
         return idx
 
     @classmethod
+    def from_state(cls, cfg, state, device=None):
+        """A model of cfg whose parameters are the tensors of `state` (a full state dict, no copy, their
+        dtype kept): built on the meta device, so nothing is initialised twice (an 8B model loads in seconds)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        missing, unexpected = model.load_state_dict(state, assign=True, strict=False)
+        missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"state dict does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        if cfg.tie_embeddings:   # assign=True gives the two names separate parameters: tie them again
+            model.lm_head.weight = model.wte.weight
+        model.reset_buffers(device)
+        return model
+
+    @classmethod
     def from_checkpoint(cls, path_or_out_dir, device="cpu"):
         """The model of a train.py checkpoint (a ckpt.pt file, or the out_dir holding one)."""
         path = path_or_out_dir
@@ -517,9 +532,8 @@ class GPT(nn.Module):
             path = os.path.join(path, "ckpt.pt")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no checkpoint at {path}: pass a ckpt.pt file or the out_dir of a train.py run")
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        model = cls(GPTConfig.from_dict(ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        model = cls.from_state(GPTConfig.from_dict(ckpt["model_config"]), ckpt["model"]).float()
         model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
         model.checkpoint_info["dir"] = os.path.dirname(os.path.abspath(path))   # a tokenizer.json lives beside it
         return model.to(device)

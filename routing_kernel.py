@@ -34,7 +34,8 @@ Layouts (M = B*T tokens, row-major, 64-bit offsets):
     GB  [N, M, d]  upstream gradients, act. dtype  C   [N, H, M]  fp32 c per site
     DA, LG [P, H, M] fp32 per-pair da and logit, pair (j, n) at j(j-1)/2 + n, P = N(N+1)/2
 Dtypes: sources and gradients bf16 / fp16 / fp32; every reduction and the softmax in fp32.
-Envelope: d % H == 0, D = d/H >= 16 (any D, padded to a power of two in registers); any number of
+Envelope: d % H == 0, D = d/H >= 16 (any D: the forward and the site pass hold a head as two power-of-two
+column parts, D = 160 as 128 + 32, so a width that is a sum of two powers of two has no padded lanes); any number of
 sources (tests: 145 on CUDA, up to 7 in CPU CI); M up to at least 2^21 tokens (64-bit offsets, checked
 on an H200); T = 1 allowed. Outside it: ValueError naming the limit.
 
@@ -45,8 +46,10 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
  => ~6 P d bytes per token (plus O(N d) for writing sources, outputs and gradients), against ~14 for a
     kernel that reads twice in backward and read-modify-writes an fp32 gradient buffer per pair.
     100M (d512, N25, 4096 tokens): 4.1 GB -> 0.98 ms at the H200's measured 4.18 TB/s copy bandwidth.
-    Measured (BENCHMARKS.md): 1.94 / 3.72 / 12.7 ms GPU time at the paper's Table 5 shapes (100M / 350M / 1B),
-    50% / 50% / 40% of copy bandwidth; eager wall time is bound by ~120 us of Python per Triton launch.
+    Measured (BENCHMARKS.md): 1.96 / 3.79 / 9.46 ms GPU time at the paper's Table 5 shapes (100M / 350M / 1B),
+    50% / 49% / 54% of copy bandwidth. What limits it (Nsight Compute, 1B): too few warps to hide latency (the
+    site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and the gather's
+    per-pair scalar loads of all H heads. Eager wall time is bound by ~120 us of Python per Triton launch.
 """
 import math
 import os
@@ -63,7 +66,10 @@ except ImportError:  # the model falls back to the reference routing (model.py p
 
 # per kernel: (elements per [BLOCK_M, BLOCK_D] register tile, warps per program, software-pipelining depth of
 # the loop over sources). Chosen with python routing_kernel.py --bench --tune on an H200 (BENCHMARKS.md).
-CONFIG = {"fwd": (4096, 4, 4), "site": (8192, 8, 3), "gather": (1024, 2, 3)}
+CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3)}
+# kernels that split a head whose width is not a power of two into two column parts (_split); the gather is
+# bound by its per-pair scalar loads, not by lanes, and ran 10% slower split at the 1B shape (BENCHMARKS.md)
+SPLIT = ("fwd", "site")
 # tokens per program at most; Triton's CPU interpreter runs programs one by one, so it gets big blocks
 MAX_BLOCK_M = 256 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 
@@ -90,23 +96,33 @@ if triton is not None:
         return x.to(dtype)
 
     @triton.jit
-    def _head_tile(M, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rows(M, H: tl.constexpr, BLOCK_M: tl.constexpr):
         """This program's head h and token block pm (heads vary fastest: the H programs of a token block
-        share L2 lines), the masks of its [BLOCK_M, BLOCK_D] tile and the tile's offsets in an [M, DM] row-major
-        matrix (64-bit: M * DM may pass 2^31)."""
+        share L2 lines), its rows (64-bit: M * DM may pass 2^31) and their mask."""
         pid = tl.program_id(0)
         h = pid % H
         pm = pid // H
         rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, BLOCK_D)
+        return h, pm, rows.to(tl.int64), rows < M
+
+    @triton.jit
+    def _part(h, rows64, rmask, C0: tl.constexpr, BLOCK: tl.constexpr, DM: tl.constexpr, D: tl.constexpr):
+        """Columns [C0, C0 + BLOCK) of head h, masked to the head's width D: their offsets within the head,
+        the column mask, the tile mask, and the tile's offsets in an [M, DM] row-major matrix."""
+        cols = C0 + tl.arange(0, BLOCK)
         cmask = cols < D
-        return h, pm, rows64, cols, rmask, cmask, rmask[:, None] & cmask[None, :], rows64[:, None] * DM + h * D + cols[None, :]
+        return cols, cmask, rmask[:, None] & cmask[None, :], rows64[:, None] * DM + h * D + cols[None, :]
+
+    @triton.jit
+    def _head_tile(M, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One [BLOCK_M, BLOCK_D] tile over the whole head (BLOCK_D = D padded to a power of two): the delta kernels."""
+        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
+        cols, cmask, mask, tile = _part(h, rows64, rmask, 0, BLOCK_D, DM, D)
+        return h, pm, rows64, cols, rmask, cmask, mask, tile
 
     @triton.jit
     def _head_w(Q, G, h, cols, cmask, D: tl.constexpr):
-        """w = q * g on this program's head slice, fp32 (the key gain folded into the query)."""
+        """w = q * g on columns `cols` of head h, fp32 (the key gain folded into the query)."""
         return tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
             tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
 
@@ -117,13 +133,41 @@ if triton is not None:
         return s, tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
 
     @triton.jit
-    def _online_softmax_step(m_i, l_i, acc, s, r, w):
-        """Add source s (tile, fp32) with RMS factor r to the running max m_i, denominator l_i and mix acc."""
-        logit = r * tl.sum(s * w[None, :], axis=1)
+    def _softmax_update(m_i, l_i, logit):
+        """New running max, denominator, the factor that rescales the old mix, and the new source's weight."""
         m_new = tl.maximum(m_i, logit)
         scale = tl.exp(m_i - m_new)
         p = tl.exp(logit - m_new)
-        return m_new, l_i * scale + p, acc * scale[:, None] + p[:, None] * s
+        return m_new, l_i * scale + p, scale, p
+
+    @triton.jit
+    def _online_softmax_step(m_i, l_i, acc, s, r, w):
+        """Add source s (tile, fp32) with RMS factor r to the running max m_i, denominator l_i and mix acc."""
+        m_i, l_i, scale, p = _softmax_update(m_i, l_i, r * tl.sum(s * w[None, :], axis=1))
+        return m_i, l_i, acc * scale[:, None] + p[:, None] * s
+
+    # The chain kernels hold a head of width D as up to two power-of-two column parts (_split): a = [0, D_A) and,
+    # when BLOCK_B > 0, b = [D_A, D_A + BLOCK_B) masked to D. D = 160 runs as 128 + 32 with no padded lanes, where
+    # one power-of-two tile would pad it to 256 (37.5% of the registers and instructions idle). Part b's code sits
+    # under `if SPLIT:` (a constexpr: compiled out when one part covers the head); without it, its variables hold
+    # part a's tensors (or a [1, 1] zero accumulator) as unused placeholders.
+
+    @triton.jit
+    def _dot2(x_a, y_a, x_b, y_b, SPLIT: tl.constexpr):
+        """Row sums of x * y over both parts, [BLOCK_M] fp32."""
+        out = tl.sum(x_a * y_a, axis=1)
+        if SPLIT:
+            out += tl.sum(x_b * y_b, axis=1)
+        return out
+
+    @triton.jit
+    def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, SPLIT: tl.constexpr):
+        """_online_softmax_step over a head held as one or two column parts."""
+        m_i, l_i, scale, p = _softmax_update(m_i, l_i, r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT))
+        acc_a = acc_a * scale[:, None] + p[:, None] * s_a
+        if SPLIT:
+            acc_b = acc_b * scale[:, None] + p[:, None] * s_b
+        return m_i, l_i, acc_a, acc_b
 
     @triton.jit(do_not_specialize=["j"])
     def _route_fwd(
@@ -135,10 +179,11 @@ if triton is not None:
         OUT,    # [M, DM] routed output, activation dtype
         LSE,    # [N, H, M] fp32 log-sum-exp of the logits; row j-1 is written here
         M, j, eps,
-        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
     ):
-        h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
+        SPLIT: tl.constexpr = BLOCK_B > 0
+        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         slot = (j - 1).to(tl.int64) * M * DM
 
         # RMS factor of the newest source over the full width (every head program needs it)
@@ -150,21 +195,41 @@ if triton is not None:
             sumsq += tl.sum(x * x, axis=1)
         r_new = 1.0 / tl.sqrt(sumsq / DM + eps)
         tl.store(R + (j - 1).to(tl.int64) * M + rows64, r_new, mask=rmask & ((rows64 * 0 + h) == 0))   # one head writes r
-        s_new = tl.load(NEW + tile, mask=mask, other=0.0)
-        tl.store(S + slot + tile, s_new, mask=mask)
 
-        w = _head_w(Q, G, h, cols, cmask, D)
-        tl.store(W + (j - 1) * DM + h * D + cols, w, mask=cmask & ((cols * 0 + pm) == 0))   # token block 0 writes w
+        # the newest source into its slot; w = q*g (token block 0 stores it for the backward)
+        cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
+        new_a = tl.load(NEW + tile_a, mask=mask_a, other=0.0)
+        tl.store(S + slot + tile_a, new_a, mask=mask_a)
+        w_a = _head_w(Q, G, h, cols_a, cmask_a, D)
+        tl.store(W + (j - 1) * DM + h * D + cols_a, w_a, mask=cmask_a & ((cols_a * 0 + pm) == 0))
+        acc_a = tl.zeros((BLOCK_M, D_A), tl.float32)
+        new_b, w_b, acc_b = new_a, w_a, tl.zeros((1, 1), tl.float32)
+        if SPLIT:
+            cols_b, cmask_b, mask_b, tile_b = _part(h, rows64, rmask, D_A, BLOCK_B, DM, D)
+            new_b = tl.load(NEW + tile_b, mask=mask_b, other=0.0)
+            tl.store(S + slot + tile_b, new_b, mask=mask_b)
+            w_b = _head_w(Q, G, h, cols_b, cmask_b, D)
+            tl.store(W + (j - 1) * DM + h * D + cols_b, w_b, mask=cmask_b & ((cols_b * 0 + pm) == 0))
+            acc_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
 
         # online softmax over the older sources, then the newest one from registers
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for n in tl.range(0, j - 1, num_stages=STAGES):
-            s, r = _source(S, R, n, M, tile, mask, rows64, rmask, DM)
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s_new.to(tl.float32), r_new, w)
-        tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
+            base = (n * M).to(tl.int64) * DM
+            s_a = tl.load(S + base + tile_a, mask=mask_a, other=0.0).to(tl.float32)
+            s_b = s_a
+            if SPLIT:
+                s_b = tl.load(S + base + tile_b, mask=mask_b, other=0.0).to(tl.float32)
+            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, SPLIT)
+        # (the newest source stays in its 16-bit dtype until here: in fp32 across the loop it costs the 1B shape
+        # ~10 registers per thread, one fewer program per SM, and 50% more forward time)
+        m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a.to(tl.float32), new_b.to(tl.float32), r_new,
+                                           w_a, w_b, SPLIT)
+        tl.store(OUT + tile_a, _rounded(acc_a / l_i[:, None], OUT.dtype.element_ty), mask=mask_a)
+        if SPLIT:
+            tl.store(OUT + tile_b, _rounded(acc_b / l_i[:, None], OUT.dtype.element_ty), mask=mask_b)
         tl.store(LSE + ((j - 1) * H + h).to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
 
     @triton.jit(do_not_specialize=["j"])
@@ -176,14 +241,29 @@ if triton is not None:
         C,              # [N, H, M] fp32 c = sum_n alpha da per site; row j-1 written here
         PART,           # [num_token_blocks, DM] fp32 per-program partial sums of dw
         M, j,
-        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
+        BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
     ):
-        h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
-        g_up = tl.load(GIN + tile, mask=mask, other=0.0)
-        tl.store(GB + (j - 1).to(tl.int64) * M * DM + tile, g_up, mask=mask)
-        g_up = g_up.to(tl.float32)
-        w = tl.load(W + (j - 1) * DM + h * D + cols, mask=cmask, other=0.0)
+        SPLIT: tl.constexpr = BLOCK_B > 0
+        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
+        slot = (j - 1).to(tl.int64) * M * DM
+        part = PART + pm.to(tl.int64) * DM + h * D
+        cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
+        g_a = tl.load(GIN + tile_a, mask=mask_a, other=0.0)
+        tl.store(GB + slot + tile_a, g_a, mask=mask_a)
+        g_a = g_a.to(tl.float32)
+        w_a = tl.load(W + (j - 1) * DM + h * D + cols_a, mask=cmask_a, other=0.0)
+        p_a = tl.zeros((BLOCK_M, D_A), tl.float32)
+        q_a = tl.zeros((BLOCK_M, D_A), tl.float32)
+        g_b, w_b, p_b, q_b = g_a, w_a, tl.zeros((1, 1), tl.float32), tl.zeros((1, 1), tl.float32)
+        if SPLIT:
+            cols_b, cmask_b, mask_b, tile_b = _part(h, rows64, rmask, D_A, BLOCK_B, DM, D)
+            g_b = tl.load(GIN + tile_b, mask=mask_b, other=0.0)
+            tl.store(GB + slot + tile_b, g_b, mask=mask_b)
+            g_b = g_b.to(tl.float32)
+            w_b = tl.load(W + (j - 1) * DM + h * D + cols_b, mask=cmask_b, other=0.0)
+            p_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
+            q_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
         site = ((j - 1) * H + h).to(tl.int64) * M + rows64
         lse = tl.load(LSE + site, mask=rmask, other=0.0)
         pair0 = j * (j - 1) // 2
@@ -192,22 +272,46 @@ if triton is not None:
         # dlogit = alpha (da - c) needs c, which is known only at the end: store da and the logit per pair and
         # let the gathers rebuild alpha and dlogit (no second pass here).
         c = tl.zeros((BLOCK_M,), tl.float32)
-        acc_p = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        acc_q = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for n in tl.range(0, j, num_stages=STAGES):
-            s, r = _source(S, R, n, M, tile, mask, rows64, rmask, DM)
-            logit = r * tl.sum(s * w[None, :], axis=1)
+            base = (n * M).to(tl.int64) * DM
+            s_a = tl.load(S + base + tile_a, mask=mask_a, other=0.0).to(tl.float32)
+            s_b = s_a
+            if SPLIT:
+                s_b = tl.load(S + base + tile_b, mask=mask_b, other=0.0).to(tl.float32)
+            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
             alpha = tl.exp(logit - lse)
-            da = tl.sum(g_up * s, axis=1)
+            da = _dot2(g_a, s_a, g_b, s_b, SPLIT)
             c += alpha * da
-            acc_p += (alpha * da * r)[:, None] * s
-            acc_q += (alpha * r)[:, None] * s
+            fp = (alpha * da * r)[:, None]
+            fq = (alpha * r)[:, None]
+            p_a += fp * s_a
+            q_a += fq * s_a
+            if SPLIT:
+                p_b += fp * s_b
+                q_b += fq * s_b
             off = ((pair0 + n) * H + h).to(tl.int64) * M + rows64
             tl.store(DA + off, da, mask=rmask)
             tl.store(LG + off, logit, mask=rmask)
         tl.store(C + site, c, mask=rmask)
-        dw = tl.sum(acc_p - c[:, None] * acc_q, axis=0)
-        tl.store(PART + pm.to(tl.int64) * DM + h * D + cols, dw, mask=cmask)
+        tl.store(part + cols_a, tl.sum(p_a - c[:, None] * q_a, axis=0), mask=cmask_a)
+        if SPLIT:
+            tl.store(part + cols_b, tl.sum(p_b - c[:, None] * q_b, axis=0), mask=cmask_b)
+
+    @triton.jit
+    def _reduce_dqg(PART, Q, G, DQG, h, cols, cmask, n_blocks, DM: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+        """dw on columns `cols` of head h from the per-token-block partials, in a fixed order; dq = dw g, dg = dw q."""
+        RB: tl.constexpr = 16
+        dw = tl.zeros((BLOCK,), tl.float32)
+        for b0 in range(0, n_blocks, RB):
+            b = b0 + tl.arange(0, RB)
+            part = tl.load(PART + b.to(tl.int64)[:, None] * DM + h * D + cols[None, :],
+                           mask=(b[:, None] < n_blocks) & cmask[None, :], other=0.0)
+            dw += tl.sum(part, axis=0)
+        q = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        g = tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(DQG + h * D + cols, dw * g, mask=cmask)
+        tl.store(DQG + DM + h * D + cols, dw * q, mask=cmask)
 
     @triton.jit(do_not_specialize=["j", "n_sites", "n_blocks"])
     def _route_bwd_gather(
@@ -216,19 +320,27 @@ if triton is not None:
         DS,                                  # [M, DM] gradient of source n = j-1, activation dtype
         DQG,                                 # [2, DM] fp32 gradients of q and g of this site
         M, j, n_sites, n_blocks, inv_dm,
-        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
     ):
-        h, pm, rows64, cols, rmask, cmask, mask, tile = _head_tile(M, DM, H, D, BLOCK_M, BLOCK_D)
+        SPLIT: tl.constexpr = BLOCK_B > 0
+        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         heads = tl.arange(0, BLOCK_H)
         hmask = (heads[:, None] < H) & rmask[None, :]
         own = heads[:, None] == h
         n = j - 1
-
-        s, r = _source(S, R, n, M, tile, mask, rows64, rmask, DM)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)     # sum_j' alpha_j'[n] G_j'
-        u = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)       # sum_j' dlogit_j'[n] w_j'
-        k = tl.zeros((BLOCK_M,), tl.float32)               # sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
+        src = (n * M).to(tl.int64) * DM
+        r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+        cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
+        s_a = tl.load(S + src + tile_a, mask=mask_a, other=0.0).to(tl.float32)
+        acc_a = tl.zeros((BLOCK_M, D_A), tl.float32)     # sum_j' alpha_j'[n] G_j'
+        u_a = tl.zeros((BLOCK_M, D_A), tl.float32)       # sum_j' dlogit_j'[n] w_j'
+        acc_b, u_b = tl.zeros((1, 1), tl.float32), tl.zeros((1, 1), tl.float32)
+        if SPLIT:
+            cols_b, cmask_b, mask_b, tile_b = _part(h, rows64, rmask, D_A, BLOCK_B, DM, D)
+            acc_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
+            u_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
+        k = tl.zeros((BLOCK_M,), tl.float32)             # sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
         for jp in tl.range(j, n_sites + 1, num_stages=STAGES):   # every site that reads source n
             # per-pair scalars of every head: alpha = exp(logit - lse), dlogit = alpha (da - c)
             pair = jp * (jp - 1) // 2 + n
@@ -238,28 +350,26 @@ if triton is not None:
             alpha = tl.exp(lg - tl.load(LSE + sp, mask=hmask, other=0.0))
             dlogit = alpha * (tl.load(DA + pp, mask=hmask, other=0.0) - tl.load(C + sp, mask=hmask, other=0.0))
             k += tl.sum(dlogit * lg, axis=0)
-            a_h = tl.sum(tl.where(own, alpha, 0.0), axis=0)
-            dl_h = tl.sum(tl.where(own, dlogit, 0.0), axis=0)
-            g_up = tl.load(GB + ((jp - 1) * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(W + (jp - 1) * DM + h * D + cols, mask=cmask, other=0.0)
-            acc += a_h[:, None] * g_up
-            u += dl_h[:, None] * w[None, :]
-        ds = acc + r[:, None] * u - (r * r * k * inv_dm)[:, None] * s
-        tl.store(DS + tile, _rounded(ds, DS.dtype.element_ty), mask=mask)
+            a_h = tl.sum(tl.where(own, alpha, 0.0), axis=0)[:, None]
+            dl_h = tl.sum(tl.where(own, dlogit, 0.0), axis=0)[:, None]
+            gbase = ((jp - 1) * M).to(tl.int64) * DM
+            wbase = (jp - 1) * DM + h * D
+            acc_a += a_h * tl.load(GB + gbase + tile_a, mask=mask_a, other=0.0).to(tl.float32)
+            u_a += dl_h * tl.load(W + wbase + cols_a, mask=cmask_a, other=0.0)[None, :]
+            if SPLIT:
+                acc_b += a_h * tl.load(GB + gbase + tile_b, mask=mask_b, other=0.0).to(tl.float32)
+                u_b += dl_h * tl.load(W + wbase + cols_b, mask=cmask_b, other=0.0)[None, :]
+        rk = (r * r * k * inv_dm)[:, None]
+        tl.store(DS + tile_a, _rounded(acc_a + r[:, None] * u_a - rk * s_a, DS.dtype.element_ty), mask=mask_a)
+        if SPLIT:
+            s_b = tl.load(S + src + tile_b, mask=mask_b, other=0.0).to(tl.float32)
+            tl.store(DS + tile_b, _rounded(acc_b + r[:, None] * u_b - rk * s_b, DS.dtype.element_ty), mask=mask_b)
 
-        # the first token block also reduces this site's dw partials, in a fixed order: dq = dw g, dg = dw q
+        # the first token block also reduces this site's dw partials: dq = dw g, dg = dw q
         if pm == 0:
-            RB: tl.constexpr = 16
-            dw = tl.zeros((BLOCK_D,), tl.float32)
-            for b0 in range(0, n_blocks, RB):
-                b = b0 + tl.arange(0, RB)
-                part = tl.load(PART + b.to(tl.int64)[:, None] * DM + h * D + cols[None, :],
-                               mask=(b[:, None] < n_blocks) & cmask[None, :], other=0.0)
-                dw += tl.sum(part, axis=0)
-            q = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
-            g = tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
-            tl.store(DQG + h * D + cols, dw * g, mask=cmask)
-            tl.store(DQG + DM + h * D + cols, dw * q, mask=cmask)
+            _reduce_dqg(PART, Q, G, DQG, h, cols_a, cmask_a, n_blocks, DM, D, D_A)
+            if SPLIT:
+                _reduce_dqg(PART, Q, G, DQG, h, cols_b, cmask_b, n_blocks, DM, D, BLOCK_B)
 
     # ---- per-call routing for delta mode (SPEC section 5): a few sources, no chain state --------------
     # Sources of a call: the site's null vector (broadcast over tokens) first, then the stacked history
@@ -375,10 +485,24 @@ if triton is not None:
 
 
 
-def _block_m(tile, block_d):
+def _block_m(tile, width):
+    """Tokens per program: the power of two that fills `tile` register elements at this head width."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":   # no registers to spare there: fewer, larger programs
         return MAX_BLOCK_M
-    return max(1, min(MAX_BLOCK_M, tile // block_d))
+    return min(MAX_BLOCK_M, 1 << max(0, (tile // width).bit_length() - 1))
+
+
+def _split(D, split=True):
+    """The chain kernels' column parts of a head of width D: (D_A, BLOCK_B, lanes). Split: D_A is the largest power
+    of two below D and BLOCK_B covers the rest, so D = 160 runs as 128 + 32 with no padded lanes (one
+    power-of-two tile would pad it to 256: 37.5% of the registers and instructions idle). One part (D a power of
+    two, or split=False): D_A is D padded to a power of two and BLOCK_B = 0 compiles part b out."""
+    p = 1 << (D.bit_length() - 1)
+    if p == D or not split:
+        d_a = triton.next_power_of_2(D)
+        return d_a, 0, d_a
+    b = triton.next_power_of_2(D - p)
+    return p, b, p + b
 
 
 def check_envelope(d, heads, dtype):
@@ -403,11 +527,11 @@ class RoutingChain:
         check_envelope(d, heads, dtype)
         self.N, self.M, self.d, self.H, self.D, self.eps = n_sites, tokens, d, heads, d // heads, eps
         self.dtype, self.device, self.training = dtype, device, training
-        self.block_d = triton.next_power_of_2(self.D)
-        self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages)
+        self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages, {D_A, BLOCK_B})
         for name, (tile, warps, stages) in CONFIG.items():
-            bm = _block_m(tile, self.block_d)
-            self.launch[name] = ((triton.cdiv(tokens, bm) * heads,), bm, warps, stages)
+            d_a, block_b, lanes = _split(self.D, split=name in SPLIT)
+            bm = _block_m(tile, lanes)
+            self.launch[name] = ((triton.cdiv(tokens, bm) * heads,), bm, warps, stages, dict(D_A=d_a, BLOCK_B=block_b))
         self.n_blocks = triton.cdiv(tokens, self.launch["site"][1])   # token blocks of the dw partials
         N, M, H = n_sites, tokens, heads
         self.S = torch.empty(N, M, d, dtype=dtype, device=device)
@@ -439,9 +563,9 @@ class RoutingChain:
             raise RuntimeError(f"fused routing: site {j} ran forward, expected site {self.next_fwd} (sites run 1..N in order)")
         M, d = self.M, self.d
         out = torch.empty(M, d, dtype=self.dtype, device=new_source.device)
-        grid, bm, warps, stages = self.launch["fwd"]
+        grid, bm, warps, stages, parts = self.launch["fwd"]
         _route_fwd[grid](self.S, self.R, new_source, q, g, self.W, out, self.LSE, M, j, self.eps,
-                         DM=d, H=self.H, D=self.D, BLOCK_M=bm, BLOCK_D=self.block_d,
+                         DM=d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
                          BLOCK_C=min(1024, triton.next_power_of_2(d)), STAGES=stages, num_warps=warps)
         self.next_fwd = j + 1
         if j == self.N:
@@ -459,16 +583,16 @@ class RoutingChain:
         M, d = self.M, self.d
         if grad_out.dtype != self.dtype or not grad_out.is_contiguous():
             grad_out = grad_out.to(self.dtype).contiguous()
-        grid, bm, warps, stages = self.launch["site"]
+        grid, bm, warps, stages, parts = self.launch["site"]
         _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.DA, self.LG, self.C, self.PART,
-                              M, j, DM=d, H=self.H, D=self.D, BLOCK_M=bm, BLOCK_D=self.block_d,
+                              M, j, DM=d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
                               STAGES=stages, num_warps=warps)
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
         dqg = torch.empty(2, d, dtype=torch.float32, device=grad_out.device)
-        grid, bm, warps, stages = self.launch["gather"]
+        grid, bm, warps, stages, parts = self.launch["gather"]
         _route_bwd_gather[grid](self.S, self.R, self.W, self.LSE, self.GB, self.DA, self.LG, self.C, self.PART, q, g,
                                 ds, dqg, M, j, self.N, self.n_blocks, 1.0 / d, DM=d, H=self.H, D=self.D,
-                                BLOCK_M=bm, BLOCK_D=self.block_d, BLOCK_H=triton.next_power_of_2(self.H),
+                                **parts, BLOCK_M=bm, BLOCK_H=triton.next_power_of_2(self.H),
                                 STAGES=stages, num_warps=warps)
         self.next_bwd = j - 1
         return ds, dqg[0].to(q.dtype), dqg[1].to(g.dtype)
@@ -646,10 +770,19 @@ def main(argv):
     copy_bw = 2 * x.numel() * 2 / ms / 1e6     # GB/s: bytes read + written over milliseconds
     print(f"device-to-device copy: {copy_bw:.0f} GB/s ({torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__})")
     del x, y
+    if "--delta" in argv:   # issue 4 only: delta routing of an 8B Llama (32 layers, 8 blocks), 2 x 4096 tokens
+        rows = []
+        for impl in ("fused", "reference-ckpt"):
+            t, mem = time_delta(impl, device)
+            rows.append(dict(shape="8B-delta", impl=impl, ms=t, peak_gb=mem))
+            print(f"8B delta   {impl:15s} {t:8.1f} ms  peak {mem:.2f} GB  (64 sites, H 8, 2 x 4096 tokens, d 4096)", flush=True)
+        print(f"fused is {rows[1]['ms'] / rows[0]['ms']:.2f}x faster than the checkpointed reference")
+        return _write_rows(rows, copy_bw)
     shapes = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
               ("100M-train", 12, 512, 4, 8, 2048), ("1B-train", 36, 1280, 8, 2, 1024)]
     if "--tune" in argv:   # coordinate descent over each kernel's (tile, warps, stages), on GPU time (graph replay)
-        candidates = [(1024, 2, 3), (2048, 4, 3), (2048, 4, 4), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3)]
+        candidates = [(1024, 2, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4),
+                      (16384, 8, 3)]
         for kernel in ("site", "gather", "fwd"):
             results = []
             for cand in candidates:
@@ -689,12 +822,11 @@ def main(argv):
                 print(f"{name:11s} fused kernels (profiler, ms): {profile_chain(N, B, T, d, H, device)}", flush=True)
             except Exception as e:   # the profiler's event fields move between torch versions
                 print(f"profiler failed: {e!r}")
-    if "--delta" in argv:   # issue 4: delta routing of an 8B Llama (32 layers, 8 blocks), 2 x 4096 tokens
-        for impl in ("fused", "reference-ckpt"):
-            t, mem = time_delta(impl, device)
-            rows.append(dict(shape="8B-delta", impl=impl, ms=t, peak_gb=mem))
-            print(f"8B delta   {impl:15s} {t:8.1f} ms  peak {mem:.2f} GB  (64 sites, H 8, 2 x 4096 tokens, d 4096)", flush=True)
-    if os.environ.get("OUT"):
+    _write_rows(rows, copy_bw)
+
+
+def _write_rows(rows, copy_bw):
+    if os.environ.get("OUT"):   # the device tool's output folder
         import json
         with open(os.path.join(os.environ["OUT"], "routing_bench.json"), "w") as f:
             json.dump({"copy_gbps": copy_bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -470,10 +470,23 @@ def rel_err(a, b):
     (5, 3, 1, 96, 4),      # T = 1 (generation), d/H = 24 not a power of two
     (7, 1, 67, 80, 5),     # tokens not a multiple of the block, d/H = 16 = d/16 (largest H)
     (6, 2, 37, 48, 1),     # H = 1: attention residuals
+    (4, 2, 19, 112, 4),    # d/H = 28: the kernels' second column part (16 + 12) has padded lanes
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_routing_matches_reference(N, B, T, d, H, dtype, monkeypatch):
     monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)   # many token blocks, the last one partial
+    check_fused_chain(N, B, T, d, H, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_every_kernel_split(dtype, monkeypatch):
+    """The gather's two-part code path (by default only the forward and the site pass split a head)."""
+    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
+    monkeypatch.setattr(rk, "SPLIT", ("fwd", "site", "gather"))
+    check_fused_chain(4, 2, 19, 112, 4, dtype)
+
+
+def check_fused_chain(N, B, T, d, H, dtype):
     gen = torch.Generator().manual_seed(N * 1000 + T)
     src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
     qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
@@ -827,6 +840,12 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
     groups = ckpt["optimizer"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.05, 0.0, 0.0] and groups[2]["lr_scale"] == 10
     assert abs(groups[2]["lr"] - 10 * groups[0]["lr"]) < 1e-12
+    # the single-GPU 8B setting of BENCHMARKS.md: bf16 weights and AdamW states, no checkpoint written
+    r = subprocess.run(cmd[:3] + [f"--out_dir={out}_bf16", f"--init_from={conv}", *args, "--max_steps=2",
+                                  "--param_dtype=bfloat16", "--ema_decay=0", "--save=False"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "compute bfloat16 (the weights' dtype" in r.stdout and not os.path.exists(os.path.join(f"{out}_bf16", "ckpt.pt"))
+    assert sorted(read_log(f"{out}_bf16")[0]) == [1, 2]
     # resume continues it; a gpt2-tokenized data folder is refused
     r = subprocess.run(cmd[:4] + ["--init_from=resume", *args, "--max_steps=6", "--eval_interval=2"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

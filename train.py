@@ -86,13 +86,14 @@ class Config:
     compile: bool = True                # torch.compile each sublayer (and the reference routing)
     activation_checkpointing: bool = False  # recompute each sublayer in backward: less memory, ~1/3 more compute
     fsdp: bool = False                  # FSDP2: shard each sublayer over the processes, bf16 compute, fp32 master weights
+    save: bool = True                   # write out_dir/ckpt.pt at every eval and at the end (False: speed runs, only the log)
     seed: int = 42                      # fixes initialisation and data order
 
 
 # keys that may differ when resuming (everything else must match the checkpoint)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
              "dtype", "compile", "micro_batch", "activation_checkpointing", "routing_impl",
-             "lr_decay_steps"}   # compared after resolving -1 to max_steps: the schedule's horizon must match
+             "lr_decay_steps", "save"}   # compared after resolving -1 to max_steps: the schedule's horizon must match
 MODEL_KEYS = {f.name for f in fields(GPTConfig)} & {f.name for f in fields(Config)}   # the rest: GPTConfig defaults
 
 
@@ -201,13 +202,10 @@ def build_model(mcfg, cfg, device, param_dtype, state, master):
     it is built on the meta device and sharded sublayer by sublayer; only rank 0 reads `state`, which is broadcast."""
     torch.manual_seed(cfg.seed)
     if not cfg.fsdp:
-        model = GPT(mcfg)
-        if state is not None:
-            model.load_state_dict(state)
-        model.to(device)
+        model = GPT(mcfg) if state is None else GPT.from_state(mcfg, state)   # from_state: no init, no fp32 copy
         for p in model.parameters():   # parameters only: the RoPE tables stay fp32 with bf16 weights
-            p.data = p.data.to(param_dtype)
-        return model
+            p.data = p.data.to(device, param_dtype, copy=True)   # a copy: never train in a mmap of the checkpoint
+        return model.to(device)
     if state is None and master:   # scratch: rank 0 initialises, everyone receives the same weights
         state = GPT(mcfg).state_dict()
     with torch.device("meta"):
@@ -382,7 +380,9 @@ def main(argv):
         triton_version = "not installed"
     say(f"git {git_revision()} | python {platform.python_version()} | torch {torch.__version__} | triton {triton_version}"
         f" | cuda {torch.version.cuda} | {world} x {device_name}")
-    say(f"precision: compute {compute if param_dtype == torch.float32 else cfg.param_dtype} ({why}), weights {cfg.param_dtype}")
+    if param_dtype != torch.float32 and not cfg.fsdp:
+        compute, why = cfg.param_dtype, "the weights' dtype: no autocast, AdamW states in it too"
+    say(f"precision: compute {compute} ({why}), weights {cfg.param_dtype}")
     say(f"model: residual={mcfg.residual} (routing heads {mcfg.heads if mcfg.residual in ('attnres', 'mhar', 'delta') else '-'}, "
         f"{mcfg.routing_impl}) | {n_params:,} parameters ({n_params - raw_model.wte.weight.numel():,} non-embedding, "
         f"{n_extra:,} residual-mechanism) | vocab {vocab} ({meta['tokenizer']})")
@@ -501,7 +501,7 @@ def main(argv):
         last = step >= cfg.max_steps
         if (step % cfg.eval_interval == 0 or last) and step not in evals:
             flush(time.time() - t0, max(n_window, 1))
-            if step > start_step:
+            if step > start_step and cfg.save:
                 save_checkpoint()                      # before the eval: an eval crash loses nothing
             val = evaluate()
             evals[step] = val
