@@ -70,6 +70,9 @@ CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3)}
 # kernels that split a head whose width is not a power of two into two column parts (_split); the gather is
 # bound by its per-pair scalar loads, not by lanes, and ran 10% slower split at the 1B shape (BENCHMARKS.md)
 SPLIT = ("fwd", "site")
+# the delta-mode kernels (_delta_fwd, _delta_bwd_site, _delta_bwd_sources): measured at the 8B shape
+# (d 4096, H 8, 2 x 4096 tokens): a site tile of 16384 made the 64 calls 72.2 ms against 65.7 ms with 8192
+DELTA_CONFIG = {"fwd": (4096, 4, 4), "site": (8192, 8, 3), "sources": (1024, 2, 3)}
 # tokens per program at most; Triton's CPU interpreter runs programs one by one, so it gets big blocks
 MAX_BLOCK_M = 256 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 
@@ -674,7 +677,7 @@ class _DeltaRoute(torch.autograd.Function):
         check_envelope(d, heads, hist.dtype)
         D = d // heads
         block_d = triton.next_power_of_2(D)
-        tile, warps, stages = CONFIG["fwd"]
+        tile, warps, stages = DELTA_CONFIG["fwd"]
         bm = _block_m(tile, block_d)
         out = torch.empty(M, d, dtype=hist.dtype, device=hist.device)
         lse = torch.empty(heads, M, dtype=torch.float32, device=hist.device)
@@ -694,13 +697,13 @@ class _DeltaRoute(torch.autograd.Function):
         gout = gout.to(hist.dtype).contiguous()
         scal = dict(dtype=torch.float32, device=hist.device)
         da, lg, c = torch.empty(N + 1, H, M, **scal), torch.empty(N + 1, H, M, **scal), torch.empty(H, M, **scal)
-        tile, warps, stages = CONFIG["site"]
+        tile, warps, stages = DELTA_CONFIG["site"]
         bm = _block_m(tile, block_d)
         part = torch.empty(triton.cdiv(M, bm), d, **scal)
         _delta_bwd_site[(triton.cdiv(M, bm) * H,)](hist, r, null, q, g, lse, gout, da, lg, c, part, M, N, ctx.eps,
                                                     DM=d, H=H, D=D, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_C=block_c,
                                                     STAGES=stages, num_warps=warps)
-        tile, warps, stages = CONFIG["gather"]
+        tile, warps, stages = DELTA_CONFIG["sources"]
         bm = _block_m(tile, block_d)
         dhist = torch.empty_like(hist)
         partnull = torch.empty(triton.cdiv(M, bm), d, **scal)
