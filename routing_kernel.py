@@ -164,6 +164,16 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM: tl.constexpr, SPLIT: tl.constexpr):
+        """Source n's column parts (fp32; part b = part a when not SPLIT) and RMS factors."""
+        base = (n * M).to(tl.int64) * DM
+        s_a = tl.load(S + base + tile_a, mask=mask_a, other=0.0).to(tl.float32)
+        s_b = s_a
+        if SPLIT:
+            s_b = tl.load(S + base + tile_b, mask=mask_b, other=0.0).to(tl.float32)
+        return s_a, s_b, tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+
+    @triton.jit
     def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, SPLIT: tl.constexpr):
         """_online_softmax_step over a head held as one or two column parts."""
         m_i, l_i, scale, p = _softmax_update(m_i, l_i, r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT))
@@ -201,6 +211,7 @@ if triton is not None:
 
         # the newest source into its slot; w = q*g (token block 0 stores it for the backward)
         cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
+        tile_b, mask_b = tile_a, mask_a
         new_a = tl.load(NEW + tile_a, mask=mask_a, other=0.0)
         tl.store(S + slot + tile_a, new_a, mask=mask_a)
         w_a = _head_w(Q, G, h, cols_a, cmask_a, D)
@@ -219,12 +230,7 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         for n in tl.range(0, j - 1, num_stages=STAGES):
-            base = (n * M).to(tl.int64) * DM
-            s_a = tl.load(S + base + tile_a, mask=mask_a, other=0.0).to(tl.float32)
-            s_b = s_a
-            if SPLIT:
-                s_b = tl.load(S + base + tile_b, mask=mask_b, other=0.0).to(tl.float32)
-            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
             m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, SPLIT)
         # (the newest source stays in its 16-bit dtype until here: in fp32 across the loop it costs the 1B shape
         # ~10 registers per thread, one fewer program per SM, and 50% more forward time)
@@ -234,6 +240,13 @@ if triton is not None:
         if SPLIT:
             tl.store(OUT + tile_b, _rounded(acc_b / l_i[:, None], OUT.dtype.element_ty), mask=mask_b)
         tl.store(LSE + ((j - 1) * H + h).to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
+
+    @triton.jit
+    def _grad_part(GIN, GB, W, slot, j, h, cols, cmask, mask, tile, DM: tl.constexpr, D: tl.constexpr):
+        """One column part of site j's upstream gradient (copied into its GB slot, returned in fp32) and of w."""
+        g = tl.load(GIN + tile, mask=mask, other=0.0)
+        tl.store(GB + slot + tile, g, mask=mask)
+        return g.to(tl.float32), tl.load(W + (j - 1) * DM + h * D + cols, mask=cmask, other=0.0)
 
     @triton.jit(do_not_specialize=["j"])
     def _route_bwd_site(
@@ -252,19 +265,14 @@ if triton is not None:
         slot = (j - 1).to(tl.int64) * M * DM
         part = PART + pm.to(tl.int64) * DM + h * D
         cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
-        g_a = tl.load(GIN + tile_a, mask=mask_a, other=0.0)
-        tl.store(GB + slot + tile_a, g_a, mask=mask_a)
-        g_a = g_a.to(tl.float32)
-        w_a = tl.load(W + (j - 1) * DM + h * D + cols_a, mask=cmask_a, other=0.0)
+        tile_b, mask_b = tile_a, mask_a
+        g_a, w_a = _grad_part(GIN, GB, W, slot, j, h, cols_a, cmask_a, mask_a, tile_a, DM, D)
         p_a = tl.zeros((BLOCK_M, D_A), tl.float32)
         q_a = tl.zeros((BLOCK_M, D_A), tl.float32)
         g_b, w_b, p_b, q_b = g_a, w_a, tl.zeros((1, 1), tl.float32), tl.zeros((1, 1), tl.float32)
         if SPLIT:
             cols_b, cmask_b, mask_b, tile_b = _part(h, rows64, rmask, D_A, BLOCK_B, DM, D)
-            g_b = tl.load(GIN + tile_b, mask=mask_b, other=0.0)
-            tl.store(GB + slot + tile_b, g_b, mask=mask_b)
-            g_b = g_b.to(tl.float32)
-            w_b = tl.load(W + (j - 1) * DM + h * D + cols_b, mask=cmask_b, other=0.0)
+            g_b, w_b = _grad_part(GIN, GB, W, slot, j, h, cols_b, cmask_b, mask_b, tile_b, DM, D)
             p_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
             q_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
         site = ((j - 1) * H + h).to(tl.int64) * M + rows64
@@ -276,12 +284,7 @@ if triton is not None:
         # let the gathers rebuild alpha and dlogit (no second pass here).
         c = tl.zeros((BLOCK_M,), tl.float32)
         for n in tl.range(0, j, num_stages=STAGES):
-            base = (n * M).to(tl.int64) * DM
-            s_a = tl.load(S + base + tile_a, mask=mask_a, other=0.0).to(tl.float32)
-            s_b = s_a
-            if SPLIT:
-                s_b = tl.load(S + base + tile_b, mask=mask_b, other=0.0).to(tl.float32)
-            r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
             logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
             alpha = tl.exp(logit - lse)
             da = _dot2(g_a, s_a, g_b, s_b, SPLIT)
