@@ -904,3 +904,163 @@ def test_fused_delta_matches_reference(tmp_path, checkpoint):
     assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
     for name, grad in outs[0][1].items():
         assert rel_err(outs[1][1][name].double(), grad.double()) < 1e-4, name
+
+
+# -----------------------------------------------------------------------------
+# eval.py: every metric against a direct, unbatched computation in the test
+
+import eval as evaluate  # noqa: E402
+
+EVAL = os.path.join(SHARED, "eval")
+
+
+@pytest.fixture(scope="session")
+def eval_ckpt(tmp_path_factory):
+    """Tiny MHAR (H = 2) and attention-residual (H = 1) checkpoints with the GPT-2 tokenizer, live routing."""
+    paths = {}
+    for residual, H in (("mhar", 2), ("attnres", 1)):
+        torch.manual_seed(3)
+        cfg = GPTConfig(vocab_size=50304, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64,
+                        block_size=32, residual=residual, route_heads=H)
+        model = GPT(cfg)
+        with torch.no_grad():
+            for site in model.routing_sites():
+                site.q.normal_(0.0, 1.0)
+        out = tmp_path_factory.mktemp(f"eval_{residual}")
+        torch.save({"model": model.state_dict(), "model_config": cfg.__dict__, "step": 0, "tokenizer": "gpt2",
+                    "train_config": {"block_size": 32}}, out / "ckpt.pt")
+        paths[residual] = str(out)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def eval_root(tmp_path_factory):
+    """Small eval sets in --data_root layout: the shared files' first examples (or stand-ins without them)."""
+    root = tmp_path_factory.mktemp("evaldata")
+    wiki = os.path.join(EVAL, "wikitext-2-raw", "wiki.test.raw")
+    text = open(wiki, encoding="utf-8").read()[:400] if os.path.isfile(wiki) else \
+        " = Valkyria Chronicles = \n\n Senjo no Valkyria is a tactical role @-@ playing game developed by Sega . \n" * 3
+    lam = os.path.join(EVAL, "lambada", "lambada_test.jsonl")
+    texts = [json.loads(line)["text"] for line in open(lam)][:3] if os.path.isfile(lam) else \
+        ["She opened the door and saw her brother", "He put the book back on the shelf"]
+    texts.append("The word he could never spell was floccinaucinihilipilification")   # a many-token last word
+    hs = os.path.join(EVAL, "hellaswag", "hellaswag_val.jsonl.xz")
+    rows = [json.loads(line) for line in lzma.open(hs, "rt")][:5] if os.path.isfile(hs) else \
+        [{"ctx": "A man is sitting on a roof. he", "endings": ["is eating.", "starts pulling up roofing.", "flies.", "sings."],
+          "label": 1}] * 3
+    for rel, content in (("wikitext-2-raw/wiki.test.raw", text), ("wikitext-2-raw/wiki.valid.raw", text[::-1]),
+                         ("lambada/lambada_test.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts)),
+                         ("hellaswag/hellaswag_val.jsonl", "".join(json.dumps(r) + "\n" for r in rows))):
+        os.makedirs(os.path.dirname(root / rel), exist_ok=True)
+        (root / rel).write_text(content, encoding="utf-8")
+    return str(root)
+
+
+def direct_logprob(model, ids, target_pos):
+    """log p(ids[t] | ids[:t]) for each t in target_pos, one unbatched forward per call; and greedy hits."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0][0].double()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[t - 1, ids[t]].item() for t in target_pos], [logits[t - 1].argmax().item() == ids[t] for t in target_pos]
+
+
+def test_wikitext_protocol_matches_direct(eval_ckpt, eval_root):
+    model, enc = evaluate.load_model(eval_ckpt["mhar"], "cpu")
+    B, S = 16, 8
+    text = evaluate.load_task("wikitext2", eval_root)
+    toks = enc.encode_ordinary(text)
+    n = len(toks)
+    assert n > 3 * B and (n - B) % S, "the test text should end in a partial window"
+    windows = evaluate.wikitext_windows(n, B)
+    assert windows[0] == (0, B, 1) and windows[-1][1] == n and windows[-1][1] - windows[-1][0] < B
+    res = evaluate.eval_wikitext2(evaluate.Scorer(model, B, 3, "cpu"), enc, text)
+    # each token t >= 1 is predicted once: in window 0 if t < B, else in the window starting at (t // S - 1) * S
+    nll = 0.0
+    for t in range(1, n):
+        s = 0 if t < B else (t // S - 1) * S
+        nll -= direct_logprob(model, toks[s:t + 1], [t - s])[0][0]
+    assert res["tokens"] == n - 1 and res["words"] == len(text.split())
+    assert abs(math.log(res["token_ppl"]) * (n - 1) - nll) < 1e-4 * nll
+    assert abs(math.log(res["word_ppl"]) * res["words"] - nll) < 1e-4 * nll
+    limited = evaluate.eval_wikitext2(evaluate.Scorer(model, B, 3, "cpu"), enc, text, limit=2)
+    assert limited["tokens"] == 2 * B - 1
+
+
+def test_lambada_and_hellaswag_match_direct(eval_ckpt, eval_root):
+    model, enc = evaluate.load_model(eval_ckpt["mhar"], "cpu")
+    scorer = evaluate.Scorer(model, 32, 2, "cpu")
+    texts = evaluate.load_task("lambada", eval_root)
+    res = evaluate.eval_lambada(scorer, enc, texts)
+    nlls, hits = [], []
+    for text in texts:
+        ctx, word = text.rsplit(" ", 1)
+        c, w = enc.encode_ordinary(ctx), enc.encode_ordinary(" " + word)
+        ids = (c + w)[-33:]                      # the context is cut from the left to the block
+        lp, greedy = direct_logprob(model, ids, range(len(ids) - len(w), len(ids)))
+        nlls.append(-sum(lp))
+        hits.append(all(greedy))
+    assert len(enc.encode_ordinary(" floccinaucinihilipilification")) > 3
+    assert res["n"] == len(texts) and res["acc"] == sum(hits) / len(hits)
+    assert abs(res["nll"] - sum(nlls) / len(nlls)) < 1e-4 * res["nll"]
+    # the greedy test: a continuation that is the model's own greedy choice counts as correct, one token off does not
+    ctx = enc.encode_ordinary("The history of the city")
+    with torch.no_grad():
+        nxt = model(torch.tensor([ctx]))[0][0, -1].argmax().item()
+        nxt2 = model(torch.tensor([ctx + [nxt]]))[0][0, -1].argmax().item()
+    (lp_ok, ok), (_, bad) = scorer.score([(ctx, [nxt, nxt2]), (ctx, [nxt, (nxt2 + 1) % 50257])])
+    assert ok and not bad
+    rows = evaluate.load_task("hellaswag", eval_root)
+    res = evaluate.eval_hellaswag(scorer, enc, rows)
+    acc = acc_norm = 0
+    for ctx, endings, label in rows:
+        c = enc.encode_ordinary(ctx)
+        sums = []
+        for e in endings:
+            w = enc.encode_ordinary(" " + e)
+            ids = (c + w)[-33:]
+            sums.append(sum(direct_logprob(model, ids, range(len(ids) - len(w), len(ids)))[0]))
+        acc += int(np.argmax(sums)) == label
+        acc_norm += int(np.argmax([s / len(" " + e) for s, e in zip(sums, endings)])) == label
+    assert res == {"acc": acc / len(rows), "acc_norm": acc_norm / len(rows), "n": len(rows)}
+
+
+def test_eval_cli_json_and_errors(eval_ckpt, eval_root, tmp_path, capsys):
+    out = str(tmp_path / "r.json")
+    evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--limit=2", f"--output={out}",
+                   "--batch_size=4", "--block_size=16"])
+    res = json.load(open(out))
+    assert set(res) == {"wikitext2", "lambada", "hellaswag"}
+    assert set(res["wikitext2"]) == {"token_ppl", "word_ppl", "tokens", "words"} and res["wikitext2"]["tokens"] == 31
+    assert set(res["lambada"]) == {"acc", "nll", "n"} and res["lambada"]["n"] == 2
+    assert set(res["hellaswag"]) == {"acc", "acc_norm", "n"} and res["hellaswag"]["n"] == 2
+    for bad, msg in ((["--tasks=wikitext2,mmlu"], "unknown task"), (["--block_size=64"], "exceeds the model's 32"),
+                     (["--data_root=/nonexistent"], "not found")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", *bad])
+        assert msg in str(e.value), (bad, e.value)
+
+
+def test_probe_kl_maps_and_plots(eval_ckpt, eval_root, tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    sources = torch.randn(5, 2, 3, 32, generator=gen)
+    g = torch.ones(32)
+    assert evaluate.slice_kl(sources, torch.zeros(32), g, 4, 1e-6) == 0.0             # q = 0: every slice uniform
+    assert evaluate.slice_kl(sources, torch.randn(32, generator=gen), g, 4, 1e-6) > 1e-3
+    probe_dir = str(tmp_path / "probe")
+    summary = evaluate.main(["--probe", f"--out_dir={eval_ckpt['attnres']}", f"--data_root={eval_root}",
+                             f"--probe_dir={probe_dir}", "--batch_size=2", "--block_size=16"])
+    t6 = summary["table6"]
+    assert t6["kl_learned"] > 0 and t6["kl_null"] > 0 and abs(t6["excess"] - (t6["kl_learned"] - t6["kl_null"])) < 1e-12
+    assert len(summary["maps"]) == 5 and all(abs(sum(row) - 1) < 1e-5 for m in summary["maps"] for row in m)
+    for f in ("routing_maps.png", "head_deviation.png"):
+        assert os.path.getsize(os.path.join(probe_dir, f)) > 1000
+    assert json.load(open(os.path.join(probe_dir, "probe.json")))["table6"] == t6
+    summary = evaluate.main(["--probe", f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}",
+                             f"--probe_dir={probe_dir}2", "--batch_size=2", "--block_size=16"])
+    assert summary["table6"] is None and len(summary["maps"][0]) == 2   # H = 2: two rows per site
+    log = tmp_path / "run" / "log.jsonl"
+    log.parent.mkdir()
+    log.write_text("".join(json.dumps({"step": s, "loss": 5 - s / 10}) + "\n" for s in range(1, 20))
+                   + json.dumps({"step": 10, "val_loss": 4.2}) + "\n")
+    evaluate.main(["--plot", str(log), f"--output={tmp_path / 'c.png'}"])
+    assert os.path.getsize(tmp_path / "c.png") > 1000

@@ -1,0 +1,412 @@
+"""
+Evaluate a checkpoint (paper Table 2), probe its routing (Table 6, Figure 4), plot training curves.
+
+  python eval.py --out_dir=out/mhar_100m                                     # all three tasks, data from the Hub
+  python eval.py --out_dir=out/mhar_100m --data_root=../shared/data/eval --limit=500 --output=eval.json
+  python eval.py --probe --out_dir=out/mhar_100m --data_dir=data/fineweb_edu # routing maps, Figure 4, Table 6
+  python eval.py --plot out/baseline_100m/log.jsonl out/mhar_100m/log.jsonl --output=curves.png
+
+Protocols (the tokenizer is the checkpoint's; every score is a sum of log-probabilities of given tokens):
+  wikitext2  the raw test split as one string, encode_ordinary; windows of block_size tokens starting at
+             multiples of block_size/2; the first window scores all its predictions, every later one only
+             its last block_size/2 (each token is predicted once, with at least block_size/2 tokens of
+             context after the first window); stop after the window that reaches the end. token_ppl =
+             exp(NLL / scored tokens), word_ppl = exp(NLL / whitespace-separated words of the scored text).
+             lm-evaluation-harness instead scores each of its documents (article) separately with rolling
+             windows, so its perplexities differ.
+  lambada    OpenAI's test set: each text split at its last space; the context is the text before it, the
+             target the rest with its leading space; correct when the greedy prediction (teacher-forced)
+             matches every target token; nll = mean over examples of the target tokens' summed NLL.
+  hellaswag  validation: each ending scored by the summed log-probability of the tokens of " " + ending after
+             the tokens of ctx (the `ctx` field as given); acc = argmax of the sums, acc_norm = argmax of the
+             sums divided by len(" " + ending) in characters.
+--limit=N keeps the first N*block_size tokens of WikiText-2 and the first N examples of the other two.
+"""
+import argparse
+import json
+import lzma
+import math
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from model import GPT, route_reference
+from prepare_data import load_tokenizer
+
+TASKS = ("wikitext2", "lambada", "hellaswag")
+LOCAL = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "lambada": "lambada/lambada_test.jsonl",
+         "hellaswag": "hellaswag/hellaswag_val.jsonl"}
+
+
+# -----------------------------------------------------------------------------
+# data: the Hub (datasets, imported lazily) or local files laid out like ../shared/data/eval
+
+def _read_jsonl(path):
+    for p in (path, path + ".xz"):
+        if os.path.isfile(p):
+            with (lzma.open(p, "rt", encoding="utf-8") if p.endswith(".xz") else open(p, encoding="utf-8")) as f:
+                return [json.loads(line) for line in f if line.strip()]
+    raise FileNotFoundError(f"{path}[.xz] not found")
+
+
+def load_task(task, data_root=None, wikitext_split="test"):
+    """wikitext2: the raw text of a split (str); lambada: [text]; hellaswag: [(ctx, [4 endings], label)]."""
+    if data_root is not None:
+        path = os.path.join(data_root, LOCAL[task])
+        if task == "wikitext2":
+            path = path.replace("wiki.test.raw", "wiki.valid.raw" if wikitext_split == "validation" else "wiki.test.raw")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} not found (--data_root must hold {os.path.relpath(path, data_root)})")
+            return open(path, encoding="utf-8").read()
+        rows = _read_jsonl(path)
+    else:
+        try:
+            import datasets
+        except ImportError as e:
+            raise RuntimeError("reading the evaluation sets from the Hub needs `pip install datasets`; "
+                               "or pass --data_root=DIR with local copies (e.g. ../shared/data/eval)") from e
+        if task == "wikitext2":   # rows are the file's lines, newlines kept: joined they are the raw file
+            return "".join(datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split=wikitext_split)["text"])
+        name, split = {"lambada": ("EleutherAI/lambada_openai", "test"), "hellaswag": ("Rowan/hellaswag", "validation")}[task]
+        rows = list(datasets.load_dataset(name, split=split))
+    if task == "lambada":
+        return [r["text"] for r in rows]
+    return [(r["ctx"], list(r["endings"]), int(r["label"])) for r in rows]   # the Hub's labels are strings
+
+
+# -----------------------------------------------------------------------------
+# scoring: requests (context tokens, continuation tokens) -> summed log-probability and greedy match
+
+class Scorer:
+    def __init__(self, model, block_size, batch_size, device):
+        self.model, self.block_size, self.batch_size, self.device = model, block_size, batch_size, device
+        device_type = "cuda" if str(device).startswith("cuda") else "cpu"
+        self.autocast = torch.autocast(device_type, dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
+
+    @torch.no_grad()
+    def score(self, requests, desc=None):
+        """[(ctx_ids, cont_ids)] -> [(sum of log p(cont | ctx), every cont token the argmax)]. The context is cut
+        from the left to fit block_size; requests are batched longest first, padded on the right (causal: the
+        padding never reaches a scored position)."""
+        from tqdm import tqdm
+        out = [None] * len(requests)
+        seqs = []
+        for i, (ctx, cont) in enumerate(requests):
+            if not cont:
+                raise ValueError(f"request {i} has an empty continuation")
+            full = (list(ctx) + list(cont))[-(self.block_size + 1):]
+            n_cont = min(len(cont), len(full) - 1)
+            seqs.append((i, full, n_cont))
+        seqs.sort(key=lambda s: -len(s[1]))
+        batches = [seqs[k:k + self.batch_size] for k in range(0, len(seqs), self.batch_size)]
+        for batch in tqdm(batches, desc=desc, disable=desc is None, leave=False):
+            T = max(len(f) for _, f, _ in batch) - 1
+            x = torch.zeros(len(batch), T, dtype=torch.long)
+            for b, (_, full, _) in enumerate(batch):
+                x[b, :len(full) - 1] = torch.tensor(full[:-1])
+            with self.autocast:
+                logits, _ = self.model(x.to(self.device))
+            for b, (i, full, n_cont) in enumerate(batch):
+                pos = torch.arange(len(full) - 1 - n_cont, len(full) - 1, device=logits.device)
+                target = torch.tensor(full[-n_cont:], device=logits.device)
+                rows = logits[b, pos].float()
+                logp = F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1)
+                out[i] = (logp.sum().item(), bool((rows.argmax(-1) == target).all()))
+        return out
+
+
+def wikitext_windows(n_tokens, block_size):
+    """(start, end, first scored) of each window: tokens[start:end] in the model, targets [first, end) scored."""
+    stride, start, scored_to, windows = block_size // 2, 0, 1, []
+    while True:
+        end = min(start + block_size, n_tokens)
+        windows.append((start, end, max(scored_to, start + 1)))
+        scored_to = end
+        if end >= n_tokens:
+            return windows
+        start += stride
+
+
+def eval_wikitext2(scorer, enc, text, limit=None):
+    tokens = enc.encode_ordinary(text)
+    if limit:
+        tokens = tokens[:limit * scorer.block_size]
+        text = enc.decode(tokens)
+    if len(tokens) < 2:
+        raise ValueError("wikitext2: fewer than 2 tokens to score")
+    windows = wikitext_windows(len(tokens), scorer.block_size)
+    res = scorer.score([(tokens[s:first], tokens[first:e]) for s, e, first in windows], desc="wikitext2")
+    nll, n = -sum(r[0] for r in res), len(tokens) - 1
+    words = len(text.split())
+    return {"token_ppl": math.exp(nll / n), "word_ppl": math.exp(nll / words), "tokens": n, "words": words}
+
+
+def lambada_request(enc, text):
+    ctx, word = text.rsplit(" ", 1)
+    return enc.encode_ordinary(ctx), enc.encode_ordinary(" " + word)
+
+
+def eval_lambada(scorer, enc, texts, limit=None):
+    texts = texts[:limit] if limit else texts
+    res = scorer.score([lambada_request(enc, t) for t in texts], desc="lambada")
+    return {"acc": sum(r[1] for r in res) / len(res), "nll": -sum(r[0] for r in res) / len(res), "n": len(res)}
+
+
+def eval_hellaswag(scorer, enc, rows, limit=None):
+    rows = rows[:limit] if limit else rows
+    requests = [(enc.encode_ordinary(ctx), enc.encode_ordinary(" " + e)) for ctx, endings, _ in rows for e in endings]
+    res = scorer.score(requests, desc="hellaswag")
+    acc = acc_norm = 0
+    k = 0
+    for ctx, endings, label in rows:
+        sums = [res[k + i][0] for i in range(len(endings))]
+        norm = [s / len(" " + e) for s, e in zip(sums, endings)]
+        acc += max(range(len(sums)), key=sums.__getitem__) == label
+        acc_norm += max(range(len(norm)), key=norm.__getitem__) == label
+        k += len(endings)
+    return {"acc": acc / len(rows), "acc_norm": acc_norm / len(rows), "n": len(rows)}
+
+
+EVALS = {"wikitext2": eval_wikitext2, "lambada": eval_lambada, "hellaswag": eval_hellaswag}
+
+
+def load_model(out_dir, device):
+    model = GPT.from_checkpoint(out_dir, device=device)
+    model.eval()
+    info = model.checkpoint_info
+    enc = load_tokenizer(info.get("tokenizer") or "gpt2", base_dir=info["dir"])
+    return model, enc
+
+
+def default_block_size(model):
+    """The training sequence length; a convert.py checkpoint (never trained here): its RoPE length, at most 4096."""
+    train = model.checkpoint_info.get("train_config") or {}
+    return min(train.get("block_size") or 4096, model.cfg.block_size)
+
+
+# -----------------------------------------------------------------------------
+# routing probes (SPEC section 6)
+
+@torch.no_grad()
+def probe(model, idx, slices=4, seed=0):
+    """Routing statistics of one batch idx (B, T): per-site token-averaged alpha per head, and for H = 1 the
+    width-disagreement probe (paper Table 6): q split into `slices` channel slices, each slice's softmax over
+    its partial logits against the shared alpha, KL(slice || shared) averaged over slices, tokens and sites,
+    with a matched-norm random query as the null. Also the mean pairwise cosine of the sources at the last
+    site (source collinearity)."""
+    if model.cfg.residual not in ("attnres", "mhar", "delta"):
+        raise ValueError(f"the routing probe needs a routed model; this one is residual={model.cfg.residual!r}")
+    gen = torch.Generator().manual_seed(seed)
+    kl = {"learned": [], "null": []}
+    last = {}
+    original = model._route_stack
+
+    def spy(site, stacked, routing, return_routing):   # sees every site's stacked sources (N, B, T, d)
+        if site.heads == 1:
+            for name, q in (("learned", site.q.float()), ("null", _matched_random(site.q.float(), gen))):
+                kl[name].append(slice_kl(stacked, q, site.g, slices, site.eps))
+        last["sources"] = stacked
+        return original(site, stacked, routing, return_routing)
+
+    model._route_stack = spy
+    try:
+        _, _, routing = model(idx, return_routing=True)
+    finally:
+        del model._route_stack   # back to the class's method
+    maps = [a.float().mean(dim=(1, 2)).T.cpu() for a in routing]   # site j: (H, N_j) token-averaged alpha
+    s = last["sources"].float().flatten(1, 2)                        # (N, B*T, d)
+    s = F.normalize(s, dim=-1)
+    cos = torch.einsum("ntd,mtd->nm", s, s) / s.size(1)
+    n = cos.size(0)
+    result = {"maps": maps, "collinearity": ((cos.sum() - cos.diagonal().sum()) / max(1, n * (n - 1))).item()}
+    if kl["learned"]:
+        learned, null = sum(kl["learned"]) / len(kl["learned"]), sum(kl["null"]) / len(kl["null"])
+        result["table6"] = {"slices": slices, "kl_learned": learned, "kl_null": null, "excess": learned - null}
+    return result
+
+
+def _matched_random(q, gen):
+    r = torch.randn(q.shape, generator=gen).to(q.device)
+    return r * (q.norm() / r.norm().clamp_min(1e-30))
+
+
+def slice_kl(sources, q, g, slices, eps):
+    """Mean over slices and tokens of KL(softmax of a slice's partial logits || softmax of the full logits),
+    for a one-head site: the full logit is the sum of the slice logits (route_reference's math)."""
+    N, B, T, d = sources.shape
+    if d % slices:
+        raise ValueError(f"width {d} does not split into {slices} slices")
+    s = sources.float()
+    keys = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * g.float()
+    part = (keys * q).view(N, B, T, slices, d // slices).sum(-1)      # (N, B, T, S) partial logits
+    shared = F.log_softmax(part.sum(-1), dim=0)                        # (N, B, T)
+    own = F.log_softmax(part, dim=0)                                   # (N, B, T, S)
+    return (own.exp() * (own - shared[..., None])).sum(0).mean().item()
+
+
+def routing_matrix(maps):
+    """(H, sites, max sources) with NaN where a site has fewer sources."""
+    H, width = maps[0].size(0), max(m.size(1) for m in maps)
+    out = torch.full((H, len(maps), width), float("nan"))
+    for j, m in enumerate(maps):
+        out[:, j, :m.size(1)] = m
+    return out
+
+
+def plot_maps(mat, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    H = mat.size(0)
+    cols = min(H, 4)
+    rows = math.ceil(H / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    diverging = title.startswith("deviation")
+    vmax = float(torch.nan_to_num(mat.abs(), nan=0.0).max()) or 1.0
+    for h in range(rows * cols):
+        ax = axes[h // cols][h % cols]
+        if h >= H:
+            ax.axis("off")
+            continue
+        im = ax.imshow(mat[h].numpy(), aspect="auto", interpolation="nearest",
+                       cmap="RdBu_r" if diverging else "viridis", vmin=-vmax if diverging else 0, vmax=vmax)
+        ax.set_title(f"head {h}", fontsize=9)
+        ax.set_xlabel("source")
+        ax.set_ylabel("site")
+    fig.colorbar(im, ax=axes, shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_probe(args, model, enc):
+    from train import TokenData
+    T = args.block_size or default_block_size(model)
+    if args.data_dir:
+        meta = json.load(open(os.path.join(args.data_dir, "meta.json")))
+        data = TokenData(os.path.join(args.data_dir, "val.bin"), meta["dtype"], T, 0)
+        n = min(args.batch_size, data.n_seq)
+        if n == 0:
+            raise ValueError(f"{args.data_dir}/val.bin holds fewer than {T + 1} tokens")
+        idx = data.rows([i * T for i in range(n)])[:, :-1]
+    else:   # the start of WikiText-2's validation split stands in for validation text
+        text = load_task("wikitext2", args.data_root, wikitext_split="validation")
+        toks = enc.encode_ordinary(text)[:args.batch_size * T]
+        idx = torch.tensor(toks[:len(toks) // T * T]).view(-1, T)
+    res = probe(model, idx.to(args.device), slices=args.slices)
+    mat = routing_matrix(res["maps"])
+    os.makedirs(args.probe_dir, exist_ok=True)
+    plot_maps(mat, os.path.join(args.probe_dir, "routing_maps.png"),
+              f"token-averaged routing weights ({model.cfg.residual}, H={mat.size(0)})")
+    first = mat[:, :10]
+    dev = first - torch.nanmean(first, dim=0, keepdim=True)
+    plot_maps(dev, os.path.join(args.probe_dir, "head_deviation.png"), "deviation of each head from the head mean, sites 1-10")
+    summary = {"tokens": idx.numel(), "collinearity": res["collinearity"], "table6": res.get("table6"),
+               "maps": [m.tolist() for m in res["maps"]]}
+    with open(os.path.join(args.probe_dir, "probe.json"), "w") as f:
+        json.dump(summary, f)
+    print(f"probe over {idx.numel():,} tokens -> {args.probe_dir}/routing_maps.png, head_deviation.png, probe.json")
+    print(f"source collinearity (mean pairwise cosine, last site): {res['collinearity']:.4f}")
+    if res.get("table6"):
+        t = res["table6"]
+        print(f"Table 6 ({t['slices']} slices): KL learned {t['kl_learned']:.4f} | matched-norm random query "
+              f"{t['kl_null']:.4f} | excess {t['excess']:.4f}")
+    else:
+        print(f"Table 6 probe: for single-head (H = 1) checkpoints only; this one has H = {mat.size(0)}")
+    return summary
+
+
+# -----------------------------------------------------------------------------
+# training curves
+
+def plot_logs(paths, output, smooth=0.9):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for path in paths:
+        recs = [json.loads(line) for line in open(path) if line.strip()]
+        train = {r["step"]: r["loss"] for r in recs if "loss" in r}   # the last record of a step counts (resumes)
+        val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+        if not train and not val:
+            raise ValueError(f"{path} holds no train or val records")
+        name = os.path.basename(path)   # out_dir/log.jsonl -> the out_dir's name; else the file's
+        label = os.path.basename(os.path.dirname(os.path.abspath(path))) if name == "log.jsonl" else name.split(".")[0]
+        steps, ema, smoothed = sorted(train), None, []
+        for k, s in enumerate(steps):   # EMA with a per-step decay, whatever the logging interval
+            a = smooth ** (s - steps[k - 1]) if k else 0.0
+            ema = train[s] if ema is None else a * ema + (1 - a) * train[s]
+            smoothed.append(ema)
+        line, = ax.plot(steps, smoothed, lw=1.2, label=f"{label} train (EMA {smooth}/step)")
+        ax.plot(sorted(val), [val[s] for s in sorted(val)], "o", ms=3.5, color=line.get_color(), label=f"{label} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output, dpi=120)
+    plt.close(fig)
+    print(f"wrote {output}")
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="out", help="train.py / convert.py out_dir (or a ckpt.pt path)")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
+    p.add_argument("--limit", type=int, default=None, help="first N examples (WikiText-2: first N*block_size tokens)")
+    p.add_argument("--block_size", type=int, default=None, help="longest scored sequence (default: the training length)")
+    p.add_argument("--data_root", default=None, help="local copies laid out like ../shared/data/eval (default: the Hub)")
+    p.add_argument("--output", default=None, help="results JSON (default: out_dir/eval.json); with --plot: the PNG")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--batch_size", type=int, default=16, help="sequences per forward")
+    p.add_argument("--probe", action="store_true", help="routing maps, Figure 4 and Table 6 instead of the tasks")
+    p.add_argument("--data_dir", default=None, help="--probe: prepare_data.py folder whose val.bin is probed "
+                   "(default: WikiText-2 validation text)")
+    p.add_argument("--probe_dir", default=None, help="--probe: where the PNGs and probe.json go (default out_dir/probe)")
+    p.add_argument("--slices", type=int, default=4, help="--probe: query slices of the Table 6 probe")
+    p.add_argument("--plot", nargs="+", metavar="LOG", default=None, help="plot these log.jsonl files and exit")
+    args = p.parse_args(argv)
+    try:
+        if args.plot:
+            plot_logs(args.plot, args.output or "curves.png")
+            return None
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown or not tasks:
+            raise ValueError(f"--tasks={args.tasks!r}: unknown task(s) {unknown}; choose from {','.join(TASKS)}")
+        for name in ("limit", "block_size"):
+            v = getattr(args, name)
+            if v is not None and v < (2 if name == "block_size" else 1):
+                raise ValueError(f"--{name}={v} is too small")
+        if args.batch_size < 1:
+            raise ValueError(f"--batch_size={args.batch_size} must be >= 1")
+        model, enc = load_model(args.out_dir, args.device)
+        if args.block_size and args.block_size > model.cfg.block_size:
+            raise ValueError(f"--block_size={args.block_size} exceeds the model's {model.cfg.block_size}")
+        base = model.checkpoint_info["dir"]
+        if args.probe:
+            args.probe_dir = args.probe_dir or os.path.join(base, "probe")
+            return run_probe(args, model, enc)
+        scorer = Scorer(model, args.block_size or default_block_size(model), args.batch_size, args.device)
+        results = {}
+        for task in tasks:
+            results[task] = EVALS[task](scorer, enc, load_task(task, args.data_root), args.limit)
+            print(f"{task}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in results[task].items()),
+                  flush=True)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        sys.exit(f"eval.py: error: {e}")
+    output = args.output or os.path.join(base, "eval.json")
+    with open(output + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(output + ".tmp", output)
+    print(f"wrote {output}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
