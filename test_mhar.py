@@ -1064,3 +1064,18 @@ def test_probe_kl_maps_and_plots(eval_ckpt, eval_root, tmp_path):
                    + json.dumps({"step": 10, "val_loss": 4.2}) + "\n")
     evaluate.main(["--plot", str(log), f"--output={tmp_path / 'c.png'}"])
     assert os.path.getsize(tmp_path / "c.png") > 1000
+
+
+def test_bench_smoke(tmp_path):
+    """bench.py end to end on a tiny shape: every variant runs, the JSON holds the table's fields."""
+    out = str(tmp_path / "bench.json")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--scales=tiny", "--device=cpu", "--steps=2",
+                        "--warmup=1", "--compile=False", f"--output={out}"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.load(open(out))["rows"]
+    import bench
+    assert [row["variant"] for row in rows] == list(bench.VARIANTS)
+    assert all(row["tok_s"] > 0 and math.isfinite(row["loss"]) for row in rows)
+    assert "| baseline | 1.00x" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--scales=2b"], capture_output=True, text=True)
+    assert r.returncode != 0 and "unknown scale/variant ['2b']" in r.stderr
