@@ -833,6 +833,8 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
     r = subprocess.run(cmd + ["--max_steps=4", "--eval_interval=2"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "residual=delta" in r.stdout and "from " + os.path.join(conv, "ckpt.pt") in r.stdout
+    assert '"n_layer"' not in r.stdout.split("config: ")[1].split("\n")[0]   # the ignored defaults are not shown
+    assert 'architecture (from the checkpoint): {"vocab_size": 259' in r.stdout
     steps, evals = read_log(out)
     assert sorted(steps) == [1, 2, 3, 4] and all("val_loss_ema" in e for e in evals.values())
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)

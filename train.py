@@ -393,7 +393,11 @@ def main(argv):
     say(f"schedule: lr {cfg.lr:g}, warmup {cfg.warmup_steps}, {cfg.lr_schedule} to {cfg.min_lr_ratio:g}x at step {horizon}; "
         f"training steps {step} -> {cfg.max_steps}" + (f"; z-loss {cfg.z_loss:g}" if cfg.z_loss else "")
         + (f"; EMA {cfg.ema_decay:g}" if cfg.ema_decay else "") + (f"; from {model_source}" if model_source != "config" else ""))
-    say("config: " + json.dumps(asdict(cfg)))
+    if model_source == "config":
+        say("config: " + json.dumps(asdict(cfg)))
+    else:   # the architecture is the checkpoint's: its options here would be ignored, so they are not shown
+        say("config: " + json.dumps({k: v for k, v in asdict(cfg).items() if k not in MODEL_KEYS - {"routing_impl"}}))
+        say("architecture (from the checkpoint): " + json.dumps(asdict(mcfg)))
     if cfg.init_from == "resume":
         say(f"resumed from {ckpt_path} at step {step}")
     if master:
