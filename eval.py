@@ -109,12 +109,20 @@ class Scorer:
                 x[b, :len(full) - 1] = torch.tensor(full[:-1])
             with self.autocast:
                 logits, _ = self.model(x.to(self.device))
-            for b, (i, full, n_cont) in enumerate(batch):
-                pos = torch.arange(len(full) - 1 - n_cont, len(full) - 1, device=logits.device)
-                target = torch.tensor(full[-n_cont:], device=logits.device)
-                rows = logits[b, pos].float()
-                logp = F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1)
-                out[i] = (logp.sum().item(), bool((rows.argmax(-1) == target).all()))
+            # every scored position of the batch at once: (row of the batch, position, target) flattened
+            req, pos, tgt = [], [], []
+            for b, (_, full, n_cont) in enumerate(batch):
+                req += [b] * n_cont
+                pos += range(len(full) - 1 - n_cont, len(full) - 1)
+                tgt += full[-n_cont:]
+            dev = logits.device
+            req, pos, tgt = (torch.tensor(v, device=dev) for v in (req, pos, tgt))
+            rows = logits[req, pos].float()
+            logp = F.log_softmax(rows, dim=-1).gather(1, tgt[:, None]).squeeze(1).double()
+            sums = torch.zeros(len(batch), dtype=torch.float64, device=dev).index_add_(0, req, logp)
+            misses = torch.zeros(len(batch), dtype=torch.long, device=dev).index_add_(0, req, (rows.argmax(-1) != tgt).long())
+            for (i, _, _), s, m in zip(batch, sums.tolist(), misses.tolist()):   # one host sync per batch
+                out[i] = (s, m == 0)
         return out
 
 
