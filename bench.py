@@ -51,12 +51,13 @@ def scale_config(scale, vocab):
     return dict(spec, vocab_size=vocab if scale != "tiny" else 1024), micro_batch
 
 
-def build(scale, variant, device, compile_model, vocab):
+def build(scale, variant, device, compile_model, vocab, chunked_ce=0):
     kw, B = scale_config(scale, vocab)
     v = dict(VARIANTS[variant])
     compile_routing = v.pop("compile_routing", True)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**kw, **v)).to(device)
+    model.chunked_ce = chunked_ce
     if compile_model:
         model.compile_sublayers()
         if not compile_routing:
@@ -65,8 +66,8 @@ def build(scale, variant, device, compile_model, vocab):
     return model, opt, B
 
 
-def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profile_dir=None):
-    model, opt, B = build(scale, variant, device, compile_model, vocab)
+def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profile_dir=None, chunked_ce=0):
+    model, opt, B = build(scale, variant, device, compile_model, vocab, chunked_ce)
     T, cuda = model.cfg.block_size, device.startswith("cuda")
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), generator=gen).to(device)
@@ -166,6 +167,7 @@ def main(argv=None):
     p.add_argument("--compile", default="True", choices=("True", "False"), help="torch.compile each sublayer")
     p.add_argument("--vocab", type=int, default=PAPER_VOCAB, help="vocabulary of the synthetic tokens (paper: 151,936)")
     p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of 3 steps per run")
+    p.add_argument("--chunked_ce", type=int, default=0, help="loss over this many tokens at a time (0: whole logits)")
     p.add_argument("--output", default="bench.json", help="results JSON")
     args = p.parse_args(argv)
     scales = [s.strip() for s in args.scales.split(",") if s.strip()]
@@ -191,7 +193,8 @@ def main(argv=None):
         for variant in variants:
             try:
                 row = bench_one(scale, variant, args.device, args.steps, args.warmup, args.compile == "True", args.vocab,
-                                os.path.join(os.path.dirname(os.path.abspath(args.output)), "traces") if args.profile else None)
+                                os.path.join(os.path.dirname(os.path.abspath(args.output)), "traces") if args.profile else None,
+                                args.chunked_ce)
             except torch.OutOfMemoryError as e:
                 print(f"{scale:5s} {variant:14s} out of memory: {str(e).splitlines()[0]}", flush=True)
                 torch.cuda.empty_cache()

@@ -277,6 +277,52 @@ PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrin
 }
 
 
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Mean cross-entropy (+ z-loss) of x @ W^T without the (tokens, vocab) logits: chunk by chunk, forward also
+    computes the gradients (the loss ends the graph), so only dx and dW are kept for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk, z_loss):
+        n = x.size(0)
+        valid = targets != -1
+        n_valid = valid.sum().clamp_min(1)
+        w = weight.to(x.dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        dx, dw = torch.empty_like(x), torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        for i in range(0, n, chunk):
+            xc, tc, vc = x[i:i + chunk], targets[i:i + chunk], valid[i:i + chunk]
+            logits = (xc @ w.t()).float()                          # (c, V): the only vocab-wide tensor
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, tc.clamp_min(0)[:, None]).squeeze(1)
+            loss += ((lse - picked) * vc).sum() / n_valid + z_loss * lse.pow(2).sum() / n
+            # d/dlogits: (softmax - onehot) * valid / n_valid + z_loss * 2 lse softmax / n
+            g = torch.softmax(logits, dim=-1).mul_((vc / n_valid + 2 * z_loss * lse / n)[:, None])
+            g[torch.arange(g.size(0), device=g.device)[vc], tc[vc]] -= 1 / n_valid
+            g = g.to(x.dtype)
+            dx[i:i + chunk] = g @ w
+            dw += (g.t() @ xc).float()
+        ctx.save_for_backward(dx, dw)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, gout):
+        dx, dw = ctx.saved_tensors
+        return dx * gout.to(dx.dtype), (dw * gout).to(ctx.weight_dtype), None, None, None
+
+
+@torch.compiler.disable   # a Python loop over chunks: outside every compiled graph
+def chunked_cross_entropy(x, weight, targets, chunk, z_loss=0.0):
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=-1) + z_loss * mean(logsumexp^2), computed `chunk`
+    tokens at a time. x (N, d) in the compute dtype, weight (V, d). Peak memory ~chunk x V x 10 bytes instead of
+    N x V x 10 (bf16 logits, their fp32 copy and gradient): 151,936-token vocabularies make that the largest
+    tensor of a step."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    with torch.autocast(x.device.type, enabled=False):
+        return _ChunkedLinearCE.apply(x, weight, targets, chunk, z_loss)
+
+
 def peak_flops(device_name):
     """Peak bf16 FLOP/s of a device by name; None for a device not in the table (never a guess)."""
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):   # longest match first: "H100 PCIe" before "H100"
@@ -309,6 +355,7 @@ class GPT(nn.Module):
         self._router = None                  # routing_kernel.FusedRouter, made on the first fused forward
         self.checkpoint_sublayers = False    # activation checkpointing of every sublayer (never of routing)
         self.z_loss = 0.0                    # logit z-loss coefficient added to the training loss
+        self.chunked_ce = 0                  # training loss over this many tokens at a time (0: whole logits)
         self.reset_parameters()
 
     def reset_buffers(self, device=None):
@@ -346,6 +393,10 @@ class GPT(nn.Module):
             self._route = torch.compile(route_reference, dynamic=True, **kwargs)
 
     def _head_impl(self, x, targets):
+        if self.chunked_ce and targets is not None and torch.is_grad_enabled():   # training: no logits returned
+            h = self.norm(x)
+            return None, chunked_cross_entropy(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                               self.chunked_ce, self.z_loss)
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None

@@ -1081,3 +1081,36 @@ def test_bench_smoke(tmp_path):
     assert "| baseline | 1.00x" in r.stdout
     r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--scales=2b"], capture_output=True, text=True)
     assert r.returncode != 0 and "unknown scale/variant ['2b']" in r.stderr
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_cross_entropy_matches_full_logits(tied):
+    """The chunked training loss: same loss and gradients as the full-logits path (z-loss, ignored targets,
+    a partial last chunk), and train.py's option runs."""
+    cfg = GPTConfig(vocab_size=96, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64, block_size=16,
+                    residual="mhar", tie_embeddings=tied)
+    torch.manual_seed(0)
+    a = GPT(cfg)
+    b = GPT(cfg)
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 96, (2, 13))
+    tgt = torch.randint(0, 96, (2, 13))
+    tgt[0, :3] = -1
+    results = []
+    for m, chunk in ((a, 0), (b, 7)):
+        m.z_loss, m.chunked_ce = 1e-2, chunk
+        logits, loss = m(idx, tgt)
+        loss.backward()
+        results.append((logits, loss, {n: p.grad for n, p in m.named_parameters()}))
+    assert results[1][0] is None and abs(results[0][1].item() - results[1][1].item()) < 1e-6
+    for name, grad in results[0][2].items():
+        assert rel_err(results[1][2][name].double(), grad.double()) < 1e-5, name
+    with torch.no_grad():   # evaluation keeps the logits
+        assert b(idx, tgt)[0].shape == (2, 13, 96)
+
+
+def test_train_with_chunked_cross_entropy(tmp_path, data_dir):
+    r = run_train(str(tmp_path / "ce"), data_dir, "--max_steps=3", "--eval_interval=3", "--chunked_ce=100")
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps, evals = read_log(str(tmp_path / "ce"))
+    assert sorted(steps) == [1, 2, 3] and all(math.isfinite(s["loss"]) for s in steps.values()) and 3 in evals

@@ -74,6 +74,7 @@ class Config:
     grad_clip: float = 1.0              # global gradient-norm clip (0 = off)
     routing_lr_scale: float = 1.0       # delta mode: LR multiplier of the new routing parameters (own group, no decay)
     z_loss: float = 0.0                 # logit z-loss coefficient (the paper's 8B mid-training: 1e-4)
+    chunked_ce: int = 0                 # training loss over this many tokens at a time: no (tokens, vocab) logits (0 = off)
     ema_decay: float = 0.0              # weight EMA, evaluated and saved beside the weights (0 = off; 8B recipe: 0.999)
     # evaluation and logging
     eval_interval: int = 500            # evaluate and checkpoint every this many steps (and at the end)
@@ -93,7 +94,7 @@ class Config:
 # keys that may differ when resuming (everything else must match the checkpoint)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
              "dtype", "compile", "micro_batch", "activation_checkpointing", "routing_impl",
-             "lr_decay_steps", "save"}   # compared after resolving -1 to max_steps: the schedule's horizon must match
+             "lr_decay_steps", "save", "chunked_ce"}   # compared after resolving -1 to max_steps: the schedule's horizon must match
 MODEL_KEYS = {f.name for f in fields(GPTConfig)} & {f.name for f in fields(Config)}   # the rest: GPTConfig defaults
 
 
@@ -364,6 +365,7 @@ def main(argv):
     raw_model = model
     model.checkpoint_sublayers = cfg.activation_checkpointing
     model.z_loss = cfg.z_loss
+    model.chunked_ce = cfg.chunked_ce
     if cfg.compile:
         model.compile_sublayers()
     if ddp and not cfg.fsdp:
