@@ -264,10 +264,16 @@ def routing_matrix(maps):
     return out
 
 
-def plot_maps(mat, path, title):
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (no display needed), imported when a plot is made."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_maps(mat, path, title):
+    plt = _pyplot()
     H = mat.size(0)
     cols = min(H, 4)
     rows = math.ceil(H / cols)
@@ -331,9 +337,7 @@ def run_probe(args, model, enc):
 # training curves
 
 def plot_logs(paths, output, smooth=0.9):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for path in paths:
         recs = [json.loads(line) for line in open(path) if line.strip()]

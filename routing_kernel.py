@@ -166,12 +166,11 @@ if triton is not None:
     @triton.jit
     def _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM: tl.constexpr, SPLIT: tl.constexpr):
         """Source n's column parts (fp32; part b = part a when not SPLIT) and RMS factors."""
-        base = (n * M).to(tl.int64) * DM
-        s_a = tl.load(S + base + tile_a, mask=mask_a, other=0.0).to(tl.float32)
+        s_a, r = _source(S, R, n, M, tile_a, mask_a, rows64, rmask, DM)
         s_b = s_a
         if SPLIT:
-            s_b = tl.load(S + base + tile_b, mask=mask_b, other=0.0).to(tl.float32)
-        return s_a, s_b, tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+            s_b = tl.load(S + (n * M).to(tl.int64) * DM + tile_b, mask=mask_b, other=0.0).to(tl.float32)
+        return s_a, s_b, r
 
     @triton.jit
     def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, SPLIT: tl.constexpr):
