@@ -66,29 +66,38 @@ def build(scale, variant, device, compile_model, vocab, chunked_ce=0):
     return model, opt, B
 
 
-def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profile_dir=None, chunked_ce=0):
+def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profile_dir=None, chunked_ce=0,
+              cuda_graph=False):
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     model, opt, B = build(scale, variant, device, compile_model, vocab, chunked_ce)
-    T, cuda = model.cfg.block_size, device.startswith("cuda")
+    T = model.cfg.block_size
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), generator=gen).to(device)
     inputs, targets = x[:, :-1], x[:, 1:]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
+    graphed = train.GraphedMicrostep(model, autocast) if cuda_graph and cuda else None
+
     def step():   # no host sync inside: the loss stays on the device
-        with autocast:
-            _, loss = model(inputs, targets)
-        loss.backward()
+        if graphed is not None:
+            loss = graphed(inputs, targets)
+        else:
+            with autocast:
+                _, loss = model(inputs, targets)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        if graphed is None:   # the graph's backward overwrites its own .grad tensors
+            opt.zero_grad(set_to_none=True)
         return loss
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):   # compilation, autotuning, allocator warm-up
         step()
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    sync()   # peak memory spans the warm-up too: a replayed graph allocates nothing, its pool was allocated in capture
     times = []
     for _ in range(steps):   # one window per step; each closed by a sync
         t0 = time.perf_counter()
@@ -100,8 +109,10 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     step_s = sorted(times)[len(times) // 2]
     tok_s = B * T / step_s
     name = torch.cuda.get_device_name(device) if cuda else None
-    row = dict(scale=scale, variant=variant, micro_batch=B, seq_len=T, tok_s=tok_s, step_ms=1e3 * step_s,
+    row = dict(scale=scale, variant=variant, cuda_graph=graphed is not None, micro_batch=B, seq_len=T, tok_s=tok_s,
+               step_ms=1e3 * step_s, step_ms_min=1e3 * min(times),
                mfu=model.estimate_mfu(tok_s, name, T), peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+               reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else None,
                params=model.num_params(), loss=loss.item())
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile
@@ -110,10 +121,16 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
             for _ in range(3):
                 step()
             sync()
-        path = os.path.join(profile_dir, f"{scale}_{variant}.json")
-        prof.export_chrome_trace(path)
-        row["trace"] = path
-    del model, opt
+        path = os.path.join(profile_dir, f"{scale}_{variant}")
+        prof.export_chrome_trace(path + ".json")
+        events = prof.key_averages()
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        with open(path + ".txt", "w") as f:   # where the time goes: kernels and ops by their own time
+            f.write(events.table(sort_by=sort, row_limit=40, max_name_column_width=80))
+        row["trace"] = path + ".json"
+        if cuda:   # kernel time per step against the step's wall time: below it, the host is the bottleneck
+            row["gpu_busy_ms"] = sum(e.self_device_time_total for e in events) / 1e3 / 3
+    del model, opt, graphed, step
     if cuda:
         torch.cuda.empty_cache()
     return row
@@ -168,6 +185,8 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=PAPER_VOCAB, help="vocabulary of the synthetic tokens (paper: 151,936)")
     p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of 3 steps per run")
     p.add_argument("--chunked_ce", type=int, default=0, help="loss over this many tokens at a time (0: whole logits)")
+    p.add_argument("--cuda_graph", default="True", choices=("True", "False"),
+                   help="replay forward+backward as one CUDA graph (train.py --cuda_graph); CUDA only")
     p.add_argument("--output", default="bench.json", help="results JSON")
     args = p.parse_args(argv)
     scales = [s.strip() for s in args.scales.split(",") if s.strip()]
@@ -194,7 +213,7 @@ def main(argv=None):
             try:
                 row = bench_one(scale, variant, args.device, args.steps, args.warmup, args.compile == "True", args.vocab,
                                 os.path.join(os.path.dirname(os.path.abspath(args.output)), "traces") if args.profile else None,
-                                args.chunked_ce)
+                                args.chunked_ce, args.cuda_graph == "True")
             except torch.OutOfMemoryError as e:
                 print(f"{scale:5s} {variant:14s} out of memory: {str(e).splitlines()[0]}", flush=True)
                 torch.cuda.empty_cache()

@@ -277,7 +277,7 @@ def plot_maps(mat, path, title):
     H = mat.size(0)
     cols = min(H, 4)
     rows = math.ceil(H / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols + 1.0, 3.0 * rows + 0.4), squeeze=False, layout="constrained")
     diverging = title.startswith("deviation")
     vmax = float(torch.nan_to_num(mat.abs(), nan=0.0).max()) or 1.0
     for h in range(rows * cols):
@@ -296,6 +296,15 @@ def plot_maps(mat, path, title):
     plt.close(fig)
 
 
+def plot_probe(maps, probe_dir, residual):
+    """routing_maps.png and head_deviation.png (Figure 4) from per-site maps (H, sources), e.g. probe.json's "maps"."""
+    mat = routing_matrix([torch.as_tensor(m) for m in maps])
+    plot_maps(mat, os.path.join(probe_dir, "routing_maps.png"), f"token-averaged routing weights ({residual}, H={mat.size(0)})")
+    first = mat[:, :10]
+    dev = first - torch.nanmean(first, dim=0, keepdim=True)
+    plot_maps(dev, os.path.join(probe_dir, "head_deviation.png"), "deviation of each head from the head mean, sites 1-10")
+
+
 def run_probe(args, model, enc):
     from train import TokenData
     T = args.block_size or default_block_size(model)
@@ -311,13 +320,8 @@ def run_probe(args, model, enc):
         toks = enc.encode_ordinary(text)[:args.batch_size * T]
         idx = torch.tensor(toks[:len(toks) // T * T]).view(-1, T)
     res = probe(model, idx.to(args.device), slices=args.slices)
-    mat = routing_matrix(res["maps"])
     os.makedirs(args.probe_dir, exist_ok=True)
-    plot_maps(mat, os.path.join(args.probe_dir, "routing_maps.png"),
-              f"token-averaged routing weights ({model.cfg.residual}, H={mat.size(0)})")
-    first = mat[:, :10]
-    dev = first - torch.nanmean(first, dim=0, keepdim=True)
-    plot_maps(dev, os.path.join(args.probe_dir, "head_deviation.png"), "deviation of each head from the head mean, sites 1-10")
+    plot_probe(res["maps"], args.probe_dir, model.cfg.residual)
     summary = {"tokens": idx.numel(), "collinearity": res["collinearity"], "table6": res.get("table6"),
                "maps": [m.tolist() for m in res["maps"]]}
     with open(os.path.join(args.probe_dir, "probe.json"), "w") as f:

@@ -1114,3 +1114,54 @@ def test_train_with_chunked_cross_entropy(tmp_path, data_dir):
     assert r.returncode == 0, r.stdout + r.stderr
     steps, evals = read_log(str(tmp_path / "ce"))
     assert sorted(steps) == [1, 2, 3] and all(math.isfinite(s["loss"]) for s in steps.values()) and 3 in evals
+
+
+# -----------------------------------------------------------------------------
+# CUDA-graph training step (train.py --cuda_graph, bench.py): the same optimisation as the eager step
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device (run on a GPU machine)")
+@pytest.mark.parametrize("residual,kw", [("baseline", {}), ("hyper", {}), ("attnres", dict(routing_impl="fused")),
+                                         ("mhar", dict(routing_impl="fused")), ("mhar", dict(routing_impl="reference")),
+                                         ("mhar", dict(routing_impl="fused", chunked_ce=24))])
+def test_cuda_graph_microstep_matches_eager(residual, kw):
+    """4 optimizer steps of 2 accumulated microbatches: losses and final weights of the graphed and the eager
+    step agree (same kernels; the graphs only remove the host launches). The first microbatch's graph must
+    overwrite the gradients of the previous step, the second's add to them."""
+    kw = dict(kw)
+    chunk = kw.pop("chunked_ce", 0)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        m = GPT(tiny_cfg(residual=residual, **kw)).cuda()
+        randomize_routing(m)
+        m.chunked_ce = chunk
+        opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), fused=True)
+        micro = train.GraphedMicrostep(m, autocast, loss_scale=0.5) if graphed else None
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            for k in range(2):
+                x = torch.randint(0, 96, (2, 33), generator=gen).cuda()
+                if micro is not None:
+                    loss = micro(x[:, :-1], x[:, 1:], first=k == 0)
+                else:
+                    with autocast:
+                        _, loss = m(x[:, :-1], x[:, 1:])
+                    (loss * 0.5).backward()
+                losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            if micro is None:   # the graphs' first microbatch overwrites the gradients
+                opt.zero_grad(set_to_none=True)
+        runs.append((losses, [p.detach().float().clone() for p in m.parameters()]))
+    (eager, w_eager), (graph, w_graph) = runs
+    assert np.allclose(eager, graph, rtol=1e-4, atol=1e-4), (eager, graph)
+    assert len(set(round(l, 4) for l in eager)) > 1   # the steps changed the model
+    for a, b in zip(w_graph, w_eager):
+        assert rel_err(a, b) < 1e-4
+
+
+def test_cuda_graph_needs_one_cuda_process(tmp_path, data_dir):
+    r = run_train(str(tmp_path / "g"), data_dir, "--max_steps=1", "--device=cpu", "--cuda_graph=True")
+    assert r.returncode != 0 and "--cuda_graph=True needs one CUDA process" in r.stdout + r.stderr

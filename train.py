@@ -88,13 +88,14 @@ class Config:
     activation_checkpointing: bool = False  # recompute each sublayer in backward: less memory, ~1/3 more compute
     fsdp: bool = False                  # FSDP2: shard each sublayer over the processes, bf16 compute, fp32 master weights
     save: bool = True                   # write out_dir/ckpt.pt at every eval and at the end (False: speed runs, only the log)
+    cuda_graph: bool = False            # replay each microbatch's forward+backward as one CUDA graph (one GPU, no DDP/FSDP)
     seed: int = 42                      # fixes initialisation and data order
 
 
 # keys that may differ when resuming (everything else must match the checkpoint)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
              "dtype", "compile", "micro_batch", "activation_checkpointing", "routing_impl",
-             "lr_decay_steps", "save", "chunked_ce"}   # compared after resolving -1 to max_steps: the schedule's horizon must match
+             "lr_decay_steps", "save", "chunked_ce", "cuda_graph"}   # compared after resolving -1 to max_steps: the schedule's horizon must match
 MODEL_KEYS = {f.name for f in fields(GPTConfig)} & {f.name for f in fields(Config)}   # the rest: GPTConfig defaults
 
 
@@ -198,6 +199,66 @@ class TokenData:
         return self.rows(starts)
 
 
+class GraphedMicrostep:
+    """One microbatch's forward and backward captured as CUDA graphs and replayed: the host launches one graph
+    instead of hundreds of kernels (compiled sublayers, ~3 Triton launches per routing site), so small
+    microbatches stop being bound by Python and launch overhead. Two graphs share one memory pool: the first
+    microbatch of a step writes the gradients (captured with every .grad unset, so backward stores into them as
+    eager autograd does after zero_grad(set_to_none=True)); later microbatches add into them. The graphs fix the
+    batch shape, their input buffers and the .grad tensors: never set .grad to None afterwards (no zero_grad
+    needed, the first microbatch overwrites). One process only (DDP/FSDP gradient hooks are not captured here);
+    the model must run without host syncs (every mode does).
+
+        micro = GraphedMicrostep(model, autocast, loss_scale=1 / accum)
+        loss = micro(x, y, first=k == 0)   # first call of each kind warms up and captures; returns the loss
+    """
+
+    def __init__(self, model, autocast, loss_scale=1.0, warmup=3):
+        self.model, self.autocast, self.loss_scale, self.warmup = model, autocast, loss_scale, warmup
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.graphs, self.losses = {}, {}   # first: bool -> CUDAGraph, its loss output
+        self.x = self.y = None
+
+    def _forward_backward(self):
+        with self.autocast:
+            _, loss = self.model(self.x, self.y)
+        (loss * self.loss_scale).backward()
+        return loss.detach()
+
+    def _capture(self, first):
+        if not first and True not in self.graphs:
+            raise RuntimeError("GraphedMicrostep: the first microbatch of a step (first=True) must come first")
+        saved = None if first else [p.grad.clone() for p in self.params]   # this step's gradients so far
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # compile, autotune and allocate outside the graph
+            for _ in range(self.warmup):
+                self._forward_backward()
+        torch.cuda.current_stream().wait_stream(side)
+        if first:
+            for p in self.params:   # unset: the captured backward allocates .grad in the graph's pool and writes it
+                p.grad = None
+        graph = torch.cuda.CUDAGraph()
+        pool = self.graphs[True].pool() if not first else None
+        with torch.cuda.graph(graph, pool=pool):
+            self.losses[first] = self._forward_backward()
+        if saved is not None:
+            with torch.no_grad():   # the warm-up added extra gradients: restore this step's
+                torch._foreach_copy_([p.grad for p in self.params], saved)
+        self.graphs[first] = graph
+
+    def __call__(self, x, y, first=True):
+        if self.x is None:
+            self.x, self.y = x.clone(), y.clone()   # the graphs' input buffers
+        else:
+            self.x.copy_(x, non_blocking=True)
+            self.y.copy_(y, non_blocking=True)
+        if first not in self.graphs:
+            self._capture(first)
+        self.graphs[first].replay()
+        return self.losses[first]
+
+
 def build_model(mcfg, cfg, device, param_dtype, state, master):
     """The model on `device`, weights from `state` (a full state dict) or a fresh seeded init. With FSDP
     it is built on the meta device and sharded sublayer by sublayer; only rank 0 reads `state`, which is broadcast."""
@@ -243,6 +304,9 @@ def main(argv):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if cfg.cuda_graph and (device_type != "cuda" or ddp or cfg.fsdp):
+        sys.exit(f"train.py: error: --cuda_graph=True needs one CUDA process without FSDP (device {device}, "
+                 f"{world} processes, fsdp={cfg.fsdp}); drop --cuda_graph for this run")
     if ddp:
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     elif cfg.fsdp:   # FSDP2 in one process (e.g. one GPU): a process group of one
@@ -500,6 +564,7 @@ def main(argv):
         return f" | peak mem {torch.cuda.max_memory_allocated(device) / 1e9:.1f} GB" if device_type == "cuda" else ""
 
     # ---- the loop
+    graphed = GraphedMicrostep(model, autocast, loss_scale=1 / accum) if cfg.cuda_graph else None
     start_step = step
     speeds = []
     t0, n_window = time.time(), 0
@@ -538,6 +603,9 @@ def main(argv):
         for micro in range(accum):
             first = step * seqs_per_step + (rank * accum + micro) * cfg.micro_batch
             x, y = to_device(train_data.train_batch(first, cfg.micro_batch))
+            if graphed is not None:
+                loss_sum += graphed(x, y, first=micro == 0).float()
+                continue
             sync = not ddp or micro == accum - 1           # DDP all-reduces gradients on the last micro-step only
             if cfg.fsdp:
                 model.set_requires_gradient_sync(sync)
@@ -550,7 +618,8 @@ def main(argv):
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if graphed is None:   # the graphs' first microbatch overwrites their fixed .grad tensors instead
+            optimizer.zero_grad(set_to_none=True)
         if ema is not None:
             with torch.no_grad():
                 for e, p in zip(ema, params):
