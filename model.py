@@ -250,14 +250,22 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams, sublayer, cos, sin):
         # streams: (B, T, n, d). Elementwise products and sums (not einsum/matmul) keep the streams in
-        # their own dtype under autocast, like the baseline's fp32 residual stream.
+        # their own dtype under autocast, like the baseline's fp32 residual stream. read and write are
+        # separate methods so that compile_sublayers can compile them around the (separately compiled) sublayer.
+        x, a, b = self.read(streams)
+        return self.write(streams, a, b, sublayer(x, cos, sin))
+
+    def read(self, streams):
+        """The sublayer input (B, T, d) and this token's weights a (.., n, 1+n), b (.., n)."""
         a, b = self.alpha, self.beta
         if self.dynamic:
             hn = self.norm(streams).float()
             a = a + self.s_alpha * torch.tanh(hn @ self.w_alpha.float())   # (B, T, n, 1+n)
             b = b + self.s_beta * torch.tanh(hn @ self.w_beta.float())     # (B, T, n)
-        x = (a[..., 0, None] * streams).sum(-2).to(streams.dtype)          # read: (B, T, d)
-        y = sublayer(x, cos, sin)
+        return (a[..., 0, None] * streams).sum(-2).to(streams.dtype), a, b
+
+    def write(self, streams, a, b, y):
+        """The new streams: mixed by a, plus the sublayer output y weighted by b."""
         mixed = (a[..., 1:, None] * streams.unsqueeze(-2)).sum(-3)         # sum_n A[n, m] H_n -> (B, T, n, d)
         return (mixed + b[..., None] * y.unsqueeze(-2)).to(streams.dtype)
 
@@ -382,12 +390,15 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())   # tied weights are counted once
 
     def compile_sublayers(self, **kwargs):
-        """torch.compile each sublayer (in place: parameter names stay clean) and the LM head + loss.
+        """torch.compile each sublayer (in place: parameter names stay clean), hyper-connections' stream reads and
+        writes, and the LM head + loss.
         All attention sublayers share one compiled graph, all MLPs another. The reference routing is
         compiled on its own with dynamic shapes (one graph for every number of sources); fused routing calls stay
         outside every graph (routing_kernel.FusedRouter.route is opaque to torch.compile)."""
         for sub in self.sublayers():
             sub.compile(**kwargs)
+        for hc in getattr(self, "hyper", []):   # hyper-connections: their stream reads and writes, fused
+            hc.read, hc.write = torch.compile(hc.read, **kwargs), torch.compile(hc.write, **kwargs)
         self._head = torch.compile(self._head_impl, **kwargs)
         if self.cfg.residual in ("attnres", "mhar"):   # used by the reference path (and the fused path's fallback)
             self._route = torch.compile(route_reference, dynamic=True, **kwargs)
