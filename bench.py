@@ -3,7 +3,8 @@ The training step minus data and eval (nanoGPT's bench.py): tokens/s, MFU, peak 
 every residual variant at the paper's scales, in the layout of paper Tables 4 / 8 (throughput relative to our
 baseline, memory in GB). Synthetic tokens over the paper's vocabulary (151,936, Qwen3), bf16 autocast, fp32
 master weights, fused AdamW step and gradient clipping included, one microbatch per step (the paper's per-GPU
-microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024).
+microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024), its forward and backward replayed as a CUDA graph on a GPU
+(train.GraphedMicrostep; --cuda_graph=False launches every kernel from Python, as the eager step does).
 
   python bench.py                                                   # every scale and variant, one GPU
   python bench.py --scales=100m --variants=baseline,mhar_fused --steps=40 --profile

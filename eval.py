@@ -333,7 +333,7 @@ def run_probe(args, model, enc):
         print(f"Table 6 ({t['slices']} slices): KL learned {t['kl_learned']:.4f} | matched-norm random query "
               f"{t['kl_null']:.4f} | excess {t['excess']:.4f}")
     else:
-        print(f"Table 6 probe: for single-head (H = 1) checkpoints only; this one has H = {mat.size(0)}")
+        print(f"Table 6 probe: for single-head (H = 1) checkpoints only; this one has H = {model.cfg.heads}")
     return summary
 
 
