@@ -795,7 +795,12 @@ def main(argv):
             results = []
             for cand in candidates:
                 CONFIG[kernel] = cand
-                times = [time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0] for _, L, d, H, B, T in shapes[:3]]
+                try:
+                    times = [time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0]
+                             for _, L, d, H, B, T in shapes[:3]]
+                except Exception as e:   # e.g. out of shared memory or registers: skip the candidate
+                    print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: failed: {str(e)[:200]}")
+                    continue
                 results.append((math.prod(times) ** (1 / 3), cand, times))
                 print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: "
                       + " | ".join(f"{s[0]} {t:6.2f} ms" for s, t in zip(shapes, times)), flush=True)
