@@ -449,6 +449,9 @@ def main(argv):
     if param_dtype != torch.float32 and not cfg.fsdp:
         compute, why = cfg.param_dtype, "the weights' dtype: no autocast, AdamW states in it too"
     say(f"precision: compute {compute} ({why}), weights {cfg.param_dtype}")
+    if device_type == "cuda" and not (ddp or cfg.fsdp or cfg.cuda_graph):
+        say("tip: on one GPU, --cuda_graph=True replays each microbatch as a CUDA graph (no per-kernel launch "
+            "overhead: 2-3x faster at the 1B shape, BENCHMARKS.md)")
     say(f"model: residual={mcfg.residual} (routing heads {mcfg.heads if mcfg.residual in ('attnres', 'mhar', 'delta') else '-'}, "
         f"{mcfg.routing_impl}) | {n_params:,} parameters ({n_params - raw_model.wte.weight.numel():,} non-embedding, "
         f"{n_extra:,} residual-mechanism) | vocab {vocab} ({meta['tokenizer']})")
