@@ -43,7 +43,8 @@ fsdp)
   rm -rf $W/conv   # the checkpoint at step 20 (fp32 weights and AdamW states: ~96 GB) is all that resume needs
   ;;
 fsdp_resume)
-  torchrun --standalone --nproc_per_node=$N train.py $FSDP_ARGS --init_from=resume --max_steps=30 \
+  # --save=False: a second ~96 GB checkpoint (written beside the first, then swapped in) would not fit a 128 GB disk
+  torchrun --standalone --nproc_per_node=$N train.py $FSDP_ARGS --init_from=resume --max_steps=30 --save=False \
     > "$DEST/fsdp_resume_30.txt" 2>&1
   cp $W/run/log.jsonl "$DEST/fsdp.log.jsonl"
   ;;
