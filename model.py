@@ -304,8 +304,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
             picked = logits.gather(1, tc.clamp_min(0)[:, None]).squeeze(1)
             loss += ((lse - picked) * vc).sum() / n_valid + z_loss * lse.pow(2).sum() / n
             # d/dlogits: (softmax - onehot) * valid / n_valid + z_loss * 2 lse softmax / n
-            g = torch.softmax(logits, dim=-1).mul_((vc / n_valid + 2 * z_loss * lse / n)[:, None])
-            g.scatter_add_(1, tc.clamp_min(0)[:, None], (vc / n_valid).neg()[:, None])   # no boolean indexing: no host sync
+            wv = vc / n_valid                                      # each valid token's weight in the mean
+            g = torch.softmax(logits, dim=-1).mul_((wv + 2 * z_loss * lse / n)[:, None])
+            g.scatter_add_(1, tc.clamp_min(0)[:, None], wv.neg()[:, None])   # no boolean indexing: no host sync
             g = g.to(x.dtype)
             dx[i:i + chunk] = g @ w
             dw += (g.t() @ xc).float()
