@@ -13,7 +13,7 @@ Backward at site j with upstream gradient G_j = dLoss/dout_j:
     ds_n     = sum_{j > n} alpha_j[n] G_j  +  r_n u  -  (r_n^2 / d) K s_n,
                u[h] = sum_{j > n} dlogit_j[n, h] w_j[h],   K = sum_{j > n} sum_h dlogit_j[n, h] logit_j[n, h]
     (the RMS term needs <u, s_n> over the full width; <w_j[h], s_n[h]> = logit_j[n, h] / r_n turns it into
-    the scalar K, a sum over heads of per-pair scalars: the gather's program owns a token block with every head.)
+    the scalar K, so a program that owns one head never needs the other heads' vectors.)
 
 Order of work. Autograd sees site j as a function of the newest source s_{j-1} (its input) and q_j, g_j.
 Backward runs sites in reverse (N, N-1, ..., 1): when site j's backward runs, every later site's G is
@@ -24,9 +24,8 @@ known, so the gradient of s_{j-1} is gathered there once, completely, and return
     backward, site j  (_route_bwd_site): read the j sources and G_j once: c, dw partials, and the per-pair
                                        scalars da and logit (dlogit needs c, known only after the loop,
                                        so the gathers rebuild alpha and dlogit from da, logit, c, lse)
-    backward, gather  (_route_bwd_gather): read s_{j-1} once and G_{j'} of every site j' >= j once, all heads
-                                       of a token block in one program; write ds_{j-1}; its first programs
-                                       also reduce dq, dg (one head each)
+    backward, gather  (_route_bwd_gather): read s_{j-1} once and G_{j'} of every site j' >= j once;
+                                       write ds_{j-1}; its first token block also reduces dq, dg
 Deterministic: no atomics; dw is reduced from per-program partials in a fixed order.
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets):
@@ -49,9 +48,10 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
     100M (d512, N25, 4096 tokens): 4.1 GB -> 0.98 ms at the H200's measured 4.18 TB/s copy bandwidth.
     Measured (BENCHMARKS.md): 1.96 / 3.79 / 9.46 ms GPU time at the paper's Table 5 shapes (100M / 350M / 1B),
     50% / 49% / 54% of copy bandwidth. What limits it (Nsight Compute, 1B): too few warps to hide latency (the
-    site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and the v5
-    gather's per-pair scalar loads of all H heads in each head's program (v6 gives a program every head of its
-    token block: not yet measured). Eager wall time is bound by ~120 us of Python per Triton launch; train.py
+    site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and the gather's
+    per-pair scalar loads of all H heads. (v6 tried one gather program per token block covering every head, so
+    each scalar is loaded once: the chain ran 1.7-2.6x slower on the H200, 1.3-1.5x at its best tile; not
+    profiled, BENCHMARKS.md.) Eager wall time is bound by ~120 us of Python per Triton launch; train.py
     --cuda_graph replays the whole step instead.
 """
 import math
@@ -67,13 +67,11 @@ try:
 except ImportError:  # the model falls back to the reference routing (model.py prints why)
     triton = None
 
-# per kernel: (elements per register tile, warps per program, software-pipelining depth of the loop over
-# sources). fwd and site: chosen with python routing_kernel.py --bench --tune on an H200 (BENCHMARKS.md). gather
-# (v6: one program per token block covering all heads, tile [BLOCK_M, H, D]): v5's 1024 / 2 warps scaled by 4 to
-# keep the elements per thread, not yet tuned.
-CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (4096, 8, 3)}
-# kernels that split a head whose width is not a power of two into two column parts (_split); the gather pads
-# each head to a power of two (split, v5's per-head gather ran 10% slower at the 1B shape: BENCHMARKS.md)
+# per kernel: (elements per [BLOCK_M, BLOCK_D] register tile, warps per program, software-pipelining depth of
+# the loop over sources). Chosen with python routing_kernel.py --bench --tune on an H200 (BENCHMARKS.md).
+CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3)}
+# kernels that split a head whose width is not a power of two into two column parts (_split); the gather is
+# bound by its per-pair scalar loads, not by lanes, and ran 10% slower split at the 1B shape (BENCHMARKS.md)
 SPLIT = ("fwd", "site")
 # the delta-mode kernels (_delta_fwd, _delta_bwd_site, _delta_bwd_sources): measured at the 8B shape
 # (d 4096, H 8, 2 x 4096 tokens): a site tile of 16384 made the 64 calls 72.2 ms against 65.7 ms with 8192
@@ -330,46 +328,56 @@ if triton is not None:
         DS,                                  # [M, DM] gradient of source n = j-1, activation dtype
         DQG,                                 # [2, DM] fp32 gradients of q and g of this site
         M, j, n_sites, n_blocks, inv_dm,
-        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
     ):
-        # One program per token block covering every head, as [BLOCK_M, BLOCK_H, BLOCK_D] tiles: the RMS term
-        # couples the heads (k sums dlogit * logit over all of them), and a program per head would re-read every
-        # head's per-pair scalars and recompute their exps H times.
-        pm = tl.program_id(0)
-        rows64 = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rmask = rows64 < M
+        SPLIT: tl.constexpr = BLOCK_B > 0
+        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         heads = tl.arange(0, BLOCK_H)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        hc = heads[:, None] * D + cols[None, :]                       # [BLOCK_H, BLOCK_D] column in the row
-        hcmask = (heads[:, None] < H) & cmask[None, :]
-        tile = rows64[:, None, None] * DM + hc[None, :, :]
-        mask = rmask[:, None, None] & hcmask[None, :, :]
-        smask = rmask[:, None] & (heads[None, :] < H)                 # [BLOCK_M, BLOCK_H] per-pair scalars
+        hmask = (heads[:, None] < H) & rmask[None, :]
+        own = heads[:, None] == h
         n = j - 1
-        acc = tl.zeros((BLOCK_M, BLOCK_H, BLOCK_D), tl.float32)      # sum_j' alpha_j'[n] G_j'
-        u = tl.zeros((BLOCK_M, BLOCK_H, BLOCK_D), tl.float32)        # sum_j' dlogit_j'[n] w_j'
-        k = tl.zeros((BLOCK_M,), tl.float32)                          # sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
-        for jp in tl.range(j, n_sites + 1, num_stages=STAGES):        # every site that reads source n
-            # per-pair scalars: alpha = exp(logit - lse), dlogit = alpha (da - c) (masked lanes: alpha 1, dlogit 0)
-            pp = ((jp * (jp - 1) // 2 + n) * H + heads[None, :]).to(tl.int64) * M + rows64[:, None]
-            sp = ((jp - 1) * H + heads[None, :]).to(tl.int64) * M + rows64[:, None]
-            lg = tl.load(LG + pp, mask=smask, other=0.0)
-            alpha = tl.exp(lg - tl.load(LSE + sp, mask=smask, other=0.0))
-            dlogit = alpha * (tl.load(DA + pp, mask=smask, other=0.0) - tl.load(C + sp, mask=smask, other=0.0))
-            k += tl.sum(dlogit * lg, axis=1)
-            gb = tl.load(GB + ((jp - 1) * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
-            acc += alpha[:, :, None] * gb
-            u += dlogit[:, :, None] * tl.load(W + (jp - 1) * DM + hc, mask=hcmask, other=0.0)[None, :, :]
+        src = (n * M).to(tl.int64) * DM
         r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
-        s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
-        rk = (r * r * k * inv_dm)[:, None, None]
-        tl.store(DS + tile, _rounded(acc + r[:, None, None] * u - rk * s, DS.dtype.element_ty), mask=mask)
+        cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
+        s_a = tl.load(S + src + tile_a, mask=mask_a, other=0.0).to(tl.float32)
+        acc_a = tl.zeros((BLOCK_M, D_A), tl.float32)     # sum_j' alpha_j'[n] G_j'
+        u_a = tl.zeros((BLOCK_M, D_A), tl.float32)       # sum_j' dlogit_j'[n] w_j'
+        acc_b, u_b = tl.zeros((1, 1), tl.float32), tl.zeros((1, 1), tl.float32)
+        if SPLIT:
+            cols_b, cmask_b, mask_b, tile_b = _part(h, rows64, rmask, D_A, BLOCK_B, DM, D)
+            acc_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
+            u_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
+        k = tl.zeros((BLOCK_M,), tl.float32)             # sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
+        for jp in tl.range(j, n_sites + 1, num_stages=STAGES):   # every site that reads source n
+            # per-pair scalars of every head: alpha = exp(logit - lse), dlogit = alpha (da - c)
+            pair = jp * (jp - 1) // 2 + n
+            pp = (pair * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
+            sp = ((jp - 1) * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
+            lg = tl.load(LG + pp, mask=hmask, other=0.0)
+            alpha = tl.exp(lg - tl.load(LSE + sp, mask=hmask, other=0.0))
+            dlogit = alpha * (tl.load(DA + pp, mask=hmask, other=0.0) - tl.load(C + sp, mask=hmask, other=0.0))
+            k += tl.sum(dlogit * lg, axis=0)
+            a_h = tl.sum(tl.where(own, alpha, 0.0), axis=0)[:, None]
+            dl_h = tl.sum(tl.where(own, dlogit, 0.0), axis=0)[:, None]
+            gbase = ((jp - 1) * M).to(tl.int64) * DM
+            wbase = (jp - 1) * DM + h * D
+            acc_a += a_h * tl.load(GB + gbase + tile_a, mask=mask_a, other=0.0).to(tl.float32)
+            u_a += dl_h * tl.load(W + wbase + cols_a, mask=cmask_a, other=0.0)[None, :]
+            if SPLIT:
+                acc_b += a_h * tl.load(GB + gbase + tile_b, mask=mask_b, other=0.0).to(tl.float32)
+                u_b += dl_h * tl.load(W + wbase + cols_b, mask=cmask_b, other=0.0)[None, :]
+        rk = (r * r * k * inv_dm)[:, None]
+        tl.store(DS + tile_a, _rounded(acc_a + r[:, None] * u_a - rk * s_a, DS.dtype.element_ty), mask=mask_a)
+        if SPLIT:
+            s_b = tl.load(S + src + tile_b, mask=mask_b, other=0.0).to(tl.float32)
+            tl.store(DS + tile_b, _rounded(acc_b + r[:, None] * u_b - rk * s_b, DS.dtype.element_ty), mask=mask_b)
 
-        # the first programs also reduce this site's dw partials, one head each: dq = dw g, dg = dw q
-        for h in range(pm, H, tl.num_programs(0)):
-            _reduce_dqg(PART, Q, G, DQG, h, cols, cmask, n_blocks, DM, D, BLOCK_D)
+        # the first token block also reduces this site's dw partials: dq = dw g, dg = dw q
+        if pm == 0:
+            _reduce_dqg(PART, Q, G, DQG, h, cols_a, cmask_a, n_blocks, DM, D, D_A)
+            if SPLIT:
+                _reduce_dqg(PART, Q, G, DQG, h, cols_b, cmask_b, n_blocks, DM, D, BLOCK_B)
 
     # ---- per-call routing for delta mode (SPEC section 5): a few sources, no chain state --------------
     # Sources of a call: the site's null vector (broadcast over tokens) first, then the stacked history
@@ -527,13 +535,8 @@ class RoutingChain:
         check_envelope(d, heads, dtype)
         self.N, self.M, self.d, self.H, self.D, self.eps = n_sites, tokens, d, heads, d // heads, eps
         self.dtype, self.device, self.training = dtype, device, training
-        self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages, column constexprs)
+        self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages, {D_A, BLOCK_B})
         for name, (tile, warps, stages) in CONFIG.items():
-            if name == "gather":   # a program per token block covers every head
-                block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(self.D)
-                bm = _block_m(tile, block_h * block_d)
-                self.launch[name] = ((triton.cdiv(tokens, bm),), bm, warps, stages, dict(BLOCK_H=block_h, BLOCK_D=block_d))
-                continue
             d_a, block_b, lanes = _split(self.D, split=name in SPLIT)
             bm = _block_m(tile, lanes)
             self.launch[name] = ((triton.cdiv(tokens, bm) * heads,), bm, warps, stages, dict(D_A=d_a, BLOCK_B=block_b))
@@ -597,7 +600,8 @@ class RoutingChain:
         grid, bm, warps, stages, parts = self.launch["gather"]
         _route_bwd_gather[grid](self.S, self.R, self.W, self.LSE, self.GB, self.DA, self.LG, self.C, self.PART, q, g,
                                 ds, dqg, M, j, self.N, self.n_blocks, 1.0 / d, DM=d, H=self.H, D=self.D,
-                                **parts, BLOCK_M=bm, STAGES=stages, num_warps=warps)
+                                **parts, BLOCK_M=bm, BLOCK_H=triton.next_power_of_2(self.H),
+                                STAGES=stages, num_warps=warps)
         self.next_bwd = j - 1
         return ds, dqg[0].to(q.dtype), dqg[1].to(g.dtype)
 

@@ -57,34 +57,56 @@ def tables(rs):
     return "\n".join(lines)
 
 
+def head_sweep(rs):
+    """(H, final, tail) of the seed-0 runs that differ only in routing heads: attnres is H = 1, mhar's default 4."""
+    sweep = [((r["heads"] or 4) if r["mode"] == "mhar" else 1, r["final"], r["tail"]) for r in rs.values()
+             if r["mode"] in ("attnres", "mhar") and r["seed"] == 0 and not r["partial"]]
+    return sorted(sweep)
+
+
+def sweep_table(rs):
+    base = rs.get("baseline_s0")
+    lines = ["| routing heads H | final val | tail-5 val | tail-5 vs baseline s0 |", "|---|---|---|---|"]
+    for h, final, tail in head_sweep(rs):
+        lines.append(f"| {h}{' (attnres)' if h == 1 else ''} | {final:.4f} | {tail:.4f} | "
+                     + (f"{tail - base['tail']:+.4f} |" if base else "- |"))
+    return "\n".join(lines)
+
+
 def plots(rs, out_dir):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     colors = dict(baseline="tab:gray", hyper="tab:green", attnres="tab:blue", mhar="tab:red")
-    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
     for name, r in sorted(rs.items()):
         if r["heads"] is not None:
             continue
+        style = dict(color=colors[r["mode"]], marker=".", linestyle="-" if r["seed"] == 0 else "--")
         steps = [s for s in sorted(r["evals"]) if s >= 300]
-        ax.plot(steps, [r["evals"][s] for s in steps], color=colors[r["mode"]], marker=".",
-                linestyle="-" if r["seed"] == 0 else "--", label=name + (" (stopped early)" if r["partial"] else ""))
+        ax.plot(steps, [r["evals"][s] for s in steps], label=name + (" (stopped early)" if r["partial"] else ""), **style)
+        base = rs.get(f"baseline_s{r['seed']}")
+        if base and r["mode"] != "baseline":   # the paired gap: same initialisation and data order
+            steps = [s for s in steps if s in base["evals"]]
+            gap.plot(steps, [r["evals"][s] - base["evals"][s] for s in steps], label=name, **style)
     ax.set(xlabel="step", ylabel="validation loss", title="100M, 2,000 steps x 32k tokens (books+Wikipedia, GPT-2 BPE)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    gap.set(xlabel="step", ylabel="validation loss - baseline (same seed)", title="paired gap to the baseline")
+    gap.axhline(0, color="tab:gray", linestyle=":")
+    for a in (ax, gap):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     fig.savefig(os.path.join(out_dir, "val_curves.png"), dpi=110)
     plt.close(fig)
-    sweep = sorted((r["heads"] or 4, r["tail"]) for r in rs.values()
-                   if r["mode"] == "mhar" and r["seed"] == 0 and not r["partial"])
+    sweep = head_sweep(rs)
     if len(sweep) > 1:
         fig, ax = plt.subplots(figsize=(5, 3.5), layout="constrained")
-        ax.plot([h for h, _ in sweep], [t for _, t in sweep], marker="o", color="tab:red")
+        ax.plot([h for h, _, _ in sweep], [t for _, _, t in sweep], marker="o", color="tab:red")
         base = rs.get("baseline_s0")
         if base:
             ax.axhline(base["tail"], color="tab:gray", linestyle=":", label="baseline")
             ax.legend(fontsize=8)
         ax.set(xscale="log", xlabel="routing heads H", ylabel="tail-5 validation loss", title="MHAR head sweep, seed 0")
-        ax.set_xticks([h for h, _ in sweep], [str(h) for h, _ in sweep])
+        ax.set_xticks([h for h, _, _ in sweep], [str(h) for h, _, _ in sweep])
         fig.savefig(os.path.join(out_dir, "h_sweep.png"), dpi=110)
         plt.close(fig)
 
@@ -95,6 +117,8 @@ def main(argv):
     if not rs:
         sys.exit(f"report.py: no MODE_sSEED[_hH].log.jsonl files in {log_dir}")
     print(tables(rs))
+    print()
+    print(sweep_table(rs))
     plots(rs, os.path.dirname(os.path.abspath(log_dir)))
 
 
