@@ -14,9 +14,12 @@ Variants (sublayers compiled in all of them when --compile): baseline; mhar_eage
 mhar_compiled (reference routing under torch.compile); mhar_fused (routing_kernel.py); attnres_fused (single
 head, fused); hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the routing chain
 alone at the same shape (routing_kernel.time_chain; the fused chain replayed from a CUDA graph, i.e. GPU time)
-over the step time: an estimate, since in the step the chain's launches overlap the sublayers' work.
+over the step time: an estimate, since in the step the chain's launches overlap the sublayers' work. Peak memory:
+the most allocated during the run, warm-up and graph capture included, above what the process held before it
+(each run starts from a garbage-collected process and a reset torch.compile cache).
 """
 import argparse
+import gc
 import json
 import os
 import platform
@@ -70,9 +73,12 @@ def build(scale, variant, device, compile_model, vocab, chunked_ce=0):
 def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profile_dir=None, chunked_ce=0,
               cuda_graph=False):
     cuda = device.startswith("cuda")
+    torch._dynamo.reset()   # each variant compiles afresh: no recompile limits or guards shared with earlier ones
     if cuda:
+        gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated(device)   # left by earlier runs in this process (should be ~0)
+        torch.cuda.reset_peak_memory_stats(device)
     model, opt, B = build(scale, variant, device, compile_model, vocab, chunked_ce)
     T = model.cfg.block_size
     gen = torch.Generator().manual_seed(0)
@@ -112,8 +118,10 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     name = torch.cuda.get_device_name(device) if cuda else None
     row = dict(scale=scale, variant=variant, cuda_graph=graphed is not None, micro_batch=B, seq_len=T, tok_s=tok_s,
                step_ms=1e3 * step_s, step_ms_min=1e3 * min(times),
-               mfu=model.estimate_mfu(tok_s, name, T), peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
-               reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else None,
+               mfu=model.estimate_mfu(tok_s, name, T),
+               peak_gb=(torch.cuda.max_memory_allocated(device) - held) / 1e9 if cuda else None,
+               reserved_gb=torch.cuda.max_memory_reserved(device) / 1e9 if cuda else None,
+               held_before_gb=held / 1e9 if cuda else None,
                params=model.num_params(), loss=loss.item())
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile
@@ -131,8 +139,9 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
         row["trace"] = path + ".json"
         if cuda:   # kernel time per step against the step's wall time: below it, the host is the bottleneck
             row["gpu_busy_ms"] = sum(e.self_device_time_total for e in events) / 1e3 / 3
-    del model, opt, graphed, step
-    if cuda:
+    del model, opt, graphed, step, loss
+    if cuda:   # the step closure, the graph wrapper and the compiled modules hold each other: free them now, or
+        gc.collect()   # the next run's peak counts this run's weights, gradients and graph pool
         torch.cuda.empty_cache()
     return row
 
