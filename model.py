@@ -285,12 +285,27 @@ PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrin
 }
 
 
+def ce_chunk_grad(logits, targets, token_weight, z_scale):
+    """One chunk of the chunked cross-entropy: log-sum-exp and target logit per token (fp32), and d(loss)/d(logits)
+    in the logits' dtype: (softmax - onehot(target)) * token_weight + z_scale * lse * softmax. token_weight: each
+    token's weight in the mean (0 for an ignored target, whose index is clamped to 0). Written as one expression
+    so that torch.compile (GPT.compile_sublayers) fuses it into a few passes over the (chunk, vocab) logits;
+    eager, each op is its own pass over an fp32 copy (the 0.52x of BENCHMARKS.md's chunked-CE row)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, targets[:, None]).squeeze(1)
+    onehot = torch.arange(x.size(1), device=x.device)[None, :] == targets[:, None]
+    g = (x - lse[:, None]).exp_().mul_((token_weight + z_scale * lse)[:, None])   # in place: eager peak memory
+    g.sub_(onehot * token_weight[:, None])
+    return lse, picked, g.to(logits.dtype)
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """Mean cross-entropy (+ z-loss) of x @ W^T without the (tokens, vocab) logits: chunk by chunk, forward also
     computes the gradients (the loss ends the graph), so only dx and dW are kept for backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, chunk, z_loss):
+    def forward(ctx, x, weight, targets, chunk, z_loss, chunk_fn):
         n = x.size(0)
         valid = targets != -1
         n_valid = valid.sum().clamp_min(1)
@@ -299,15 +314,11 @@ class _ChunkedLinearCE(torch.autograd.Function):
         dx, dw = torch.empty_like(x), torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
         for i in range(0, n, chunk):
             xc, tc, vc = x[i:i + chunk], targets[i:i + chunk], valid[i:i + chunk]
-            logits = (xc @ w.t()).float()                          # (c, V): the only vocab-wide tensor
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, tc.clamp_min(0)[:, None]).squeeze(1)
-            loss += ((lse - picked) * vc).sum() / n_valid + z_loss * lse.pow(2).sum() / n
-            # d/dlogits: (softmax - onehot) * valid / n_valid + z_loss * 2 lse softmax / n
             wv = vc / n_valid                                      # each valid token's weight in the mean
-            g = torch.softmax(logits, dim=-1).mul_((wv + 2 * z_loss * lse / n)[:, None])
-            g.scatter_add_(1, tc.clamp_min(0)[:, None], wv.neg()[:, None])   # no boolean indexing: no host sync
-            g = g.to(x.dtype)
+            # (c, V) logits: the only vocab-wide tensors are these and their gradient g (no boolean indexing of
+            # the ignored targets: no host sync)
+            lse, picked, g = chunk_fn(xc @ w.t(), tc.clamp_min(0), wv, 2 * z_loss / n)
+            loss += ((lse - picked) * wv).sum() + z_loss * lse.pow(2).sum() / n
             dx[i:i + chunk] = g @ w
             dw += (g.t() @ xc).float()
         ctx.save_for_backward(dx, dw)
@@ -317,19 +328,19 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout):
         dx, dw = ctx.saved_tensors
-        return dx * gout.to(dx.dtype), (dw * gout).to(ctx.weight_dtype), None, None, None
+        return dx * gout.to(dx.dtype), (dw * gout).to(ctx.weight_dtype), None, None, None, None
 
 
-@torch.compiler.disable   # a Python loop over chunks: outside every compiled graph
-def chunked_cross_entropy(x, weight, targets, chunk, z_loss=0.0):
+@torch.compiler.disable   # a Python loop over chunks: outside every compiled graph (chunk_fn may be compiled)
+def chunked_cross_entropy(x, weight, targets, chunk, z_loss=0.0, chunk_fn=ce_chunk_grad):
     """F.cross_entropy(x @ weight.T, targets, ignore_index=-1) + z_loss * mean(logsumexp^2), computed `chunk`
-    tokens at a time. x (N, d) in the compute dtype, weight (V, d). Peak memory ~chunk x V x 10 bytes instead of
-    N x V x 10 (bf16 logits, their fp32 copy and gradient): 151,936-token vocabularies make that the largest
-    tensor of a step."""
+    tokens at a time. x (N, d) in the compute dtype, weight (V, d). Peak memory ~chunk x V x 4 bytes (the chunk's
+    16-bit logits and gradient) instead of N x V x 10 (bf16 logits, their fp32 copy and gradient): 151,936-token
+    vocabularies make that the largest tensor of a step. chunk_fn: ce_chunk_grad or a compiled copy of it."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     with torch.autocast(x.device.type, enabled=False):
-        return _ChunkedLinearCE.apply(x, weight, targets, chunk, z_loss)
+        return _ChunkedLinearCE.apply(x, weight, targets, chunk, z_loss, chunk_fn)
 
 
 def peak_flops(device_name):
@@ -365,6 +376,7 @@ class GPT(nn.Module):
         self.checkpoint_sublayers = False    # activation checkpointing of every sublayer (never of routing)
         self.z_loss = 0.0                    # logit z-loss coefficient added to the training loss
         self.chunked_ce = 0                  # training loss over this many tokens at a time (0: whole logits)
+        self._ce_chunk = ce_chunk_grad       # its per-chunk loss and gradient (compiled by compile_sublayers)
         self.reset_parameters()
 
     def reset_buffers(self, device=None):
@@ -401,6 +413,7 @@ class GPT(nn.Module):
         for hc in getattr(self, "hyper", []):   # hyper-connections: their stream reads and writes, fused
             hc.read, hc.write = torch.compile(hc.read, **kwargs), torch.compile(hc.write, **kwargs)
         self._head = torch.compile(self._head_impl, **kwargs)
+        self._ce_chunk = torch.compile(ce_chunk_grad, **kwargs)   # called outside _head's graph (a Python loop)
         if self.cfg.residual in ("attnres", "mhar"):   # used by the reference path (and the fused path's fallback)
             self._route = torch.compile(route_reference, dynamic=True, **kwargs)
 
@@ -408,7 +421,7 @@ class GPT(nn.Module):
         if self.chunked_ce and targets is not None and torch.is_grad_enabled():   # training: no logits returned
             h = self.norm(x)
             return None, chunked_cross_entropy(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                               self.chunked_ce, self.z_loss)
+                                               self.chunked_ce, self.z_loss, self._ce_chunk)
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None
