@@ -288,9 +288,9 @@ PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrin
 def ce_chunk_grad(logits, targets, token_weight, z_scale):
     """One chunk of the chunked cross-entropy: log-sum-exp and target logit per token (fp32), and d(loss)/d(logits)
     in the logits' dtype: (softmax - onehot(target)) * token_weight + z_scale * lse * softmax. token_weight: each
-    token's weight in the mean (0 for an ignored target, whose index is clamped to 0). Written as one expression
-    so that torch.compile (GPT.compile_sublayers) fuses it into a few passes over the (chunk, vocab) logits;
-    eager, each op is its own pass over an fp32 copy (the 0.52x of BENCHMARKS.md's chunked-CE row)."""
+    token's weight in the mean (0 for an ignored target, whose index is clamped to 0). A separate function so that
+    torch.compile (GPT.compile_sublayers) fuses it into a few passes over the (chunk, vocab) logits; eager, each
+    op is its own pass over an fp32 copy (the 0.52x step of BENCHMARKS.md's chunked-CE row)."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     picked = x.gather(1, targets[:, None]).squeeze(1)
@@ -334,9 +334,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
 @torch.compiler.disable   # a Python loop over chunks: outside every compiled graph (chunk_fn may be compiled)
 def chunked_cross_entropy(x, weight, targets, chunk, z_loss=0.0, chunk_fn=ce_chunk_grad):
     """F.cross_entropy(x @ weight.T, targets, ignore_index=-1) + z_loss * mean(logsumexp^2), computed `chunk`
-    tokens at a time. x (N, d) in the compute dtype, weight (V, d). Peak memory ~chunk x V x 4 bytes (the chunk's
-    16-bit logits and gradient) instead of N x V x 10 (bf16 logits, their fp32 copy and gradient): 151,936-token
-    vocabularies make that the largest tensor of a step. chunk_fn: ce_chunk_grad or a compiled copy of it."""
+    tokens at a time. x (N, d) in the compute dtype, weight (V, d). Peak memory ~chunk x V x 4 bytes compiled (the
+    chunk's 16-bit logits and gradient; eager adds fp32 temporaries) instead of N x V x 10 (bf16 logits, their
+    fp32 copy and gradient): 151,936-token vocabularies make that the largest tensor of a step. chunk_fn:
+    ce_chunk_grad or a compiled copy of it."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     with torch.autocast(x.device.type, enabled=False):

@@ -1206,6 +1206,24 @@ def test_cuda_graph_microstep_matches_eager(residual, kw):
         assert rel_err(a, b) < 1e-4
 
 
-def test_cuda_graph_needs_one_cuda_process(tmp_path, data_dir):
+def test_cuda_graph_needs_cuda(tmp_path, data_dir):
     r = run_train(str(tmp_path / "g"), data_dir, "--max_steps=1", "--device=cpu", "--cuda_graph=True")
-    assert r.returncode != 0 and "--cuda_graph=True needs one CUDA process" in r.stdout + r.stderr
+    assert r.returncode != 0 and "--cuda_graph=True needs CUDA and no FSDP" in r.stdout + r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (run on a several-GPU machine)")
+def test_ddp_cuda_graph_matches_ddp(tmp_path, data_dir):
+    """Under torchrun the graphed step runs without the DDP wrapper and averages the gradients after the graphs
+    (train.py sync_grads): 2 processes with graphs follow 2 processes with DDP (fp32, 2 micro-steps each)."""
+    gpu = ["--device=cuda", "--dtype=float32", "--routing_impl=fused", "--batch_tokens=1024", "--max_steps=8",
+           "--eval_interval=4"]
+    runs = {}
+    for graph in ("False", "True"):
+        out = str(tmp_path / graph)
+        r = run_train(out, data_dir, *gpu, f"--cuda_graph={graph}", nproc=2)
+        assert r.returncode == 0 and "2 processes x 2 micro-steps" in r.stdout, r.stdout + r.stderr
+        runs[graph] = read_log(out)
+    (a, a_eval), (b, b_eval) = runs["False"], runs["True"]
+    assert max(abs(a[s]["loss"] - b[s]["loss"]) for s in a) < 1e-3
+    assert max(abs(a_eval[s]["val_loss"] - b_eval[s]["val_loss"]) for s in a_eval) < 1e-3
+    assert a[8]["loss"] < a[1]["loss"]   # the runs trained

@@ -88,7 +88,7 @@ class Config:
     activation_checkpointing: bool = False  # recompute each sublayer in backward: less memory, ~1/3 more compute
     fsdp: bool = False                  # FSDP2: shard each sublayer over the processes, bf16 compute, fp32 master weights
     save: bool = True                   # write out_dir/ckpt.pt at every eval and at the end (False: speed runs, only the log)
-    cuda_graph: bool = False            # replay each microbatch's forward+backward as one CUDA graph (one GPU, no DDP/FSDP)
+    cuda_graph: bool = False            # replay each microbatch's forward+backward as one CUDA graph (CUDA, no FSDP)
     seed: int = 42                      # fixes initialisation and data order
 
 
@@ -206,8 +206,9 @@ class GraphedMicrostep:
     microbatch of a step writes the gradients (captured with every .grad unset, so backward stores into them as
     eager autograd does after zero_grad(set_to_none=True)); later microbatches add into them. The graphs fix the
     batch shape, their input buffers and the .grad tensors: never set .grad to None afterwards (no zero_grad
-    needed, the first microbatch overwrites). One process only (DDP/FSDP gradient hooks are not captured here);
-    the model must run without host syncs (every mode does).
+    needed, the first microbatch overwrites). The model is not wrapped in DDP or FSDP (their gradient hooks are
+    not captured here): under torchrun, train.py averages the gradients after the graphs (sync_grads). The model
+    must run without host syncs (every mode does).
 
         micro = GraphedMicrostep(model, autocast, loss_scale=1 / accum)
         loss = micro(x, y, first=k == 0)   # first call of each kind warms up and captures; returns the loss
@@ -304,9 +305,9 @@ def main(argv):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if cfg.cuda_graph and (device_type != "cuda" or ddp or cfg.fsdp):
-        sys.exit(f"train.py: error: --cuda_graph=True needs one CUDA process without FSDP (device {device}, "
-                 f"{world} processes, fsdp={cfg.fsdp}); drop --cuda_graph for this run")
+    if cfg.cuda_graph and (device_type != "cuda" or cfg.fsdp):
+        sys.exit(f"train.py: error: --cuda_graph=True needs CUDA and no FSDP (device {device}, fsdp={cfg.fsdp}); "
+                 "drop --cuda_graph for this run")
     if ddp:
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     elif cfg.fsdp:   # FSDP2 in one process (e.g. one GPU): a process group of one
@@ -432,8 +433,11 @@ def main(argv):
     model.chunked_ce = cfg.chunked_ce
     if cfg.compile:
         model.compile_sublayers()
-    if ddp and not cfg.fsdp:
+    if ddp and not cfg.fsdp and not cfg.cuda_graph:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None)
+    elif ddp and not cfg.fsdp:   # CUDA graphs: no DDP wrapper (its backward hooks are not captured); as DDP does,
+        for t in [*params, *raw_model.buffers()]:   # start every process from rank 0's weights, and average the
+            dist.broadcast(t.detach(), 0)          # gradients after each step's graphs (sync_grads below)
 
     # ---- log header
     device_name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or "cpu"
@@ -449,9 +453,9 @@ def main(argv):
     if param_dtype != torch.float32 and not cfg.fsdp:
         compute, why = cfg.param_dtype, "the weights' dtype: no autocast, AdamW states in it too"
     say(f"precision: compute {compute} ({why}), weights {cfg.param_dtype}")
-    if device_type == "cuda" and not (ddp or cfg.fsdp or cfg.cuda_graph):
-        say("tip: on one GPU, --cuda_graph=True replays each microbatch as a CUDA graph (no per-kernel launch "
-            "overhead: 2-3x faster at the 1B shape, BENCHMARKS.md)")
+    if device_type == "cuda" and not (cfg.fsdp or cfg.cuda_graph):
+        say("tip: --cuda_graph=True replays each microbatch as a CUDA graph (no per-kernel launch overhead: 2-3x "
+            "faster at the 1B shape on one GPU, BENCHMARKS.md)")
     say(f"model: residual={mcfg.residual} (routing heads {mcfg.heads if mcfg.residual in ('attnres', 'mhar', 'delta') else '-'}, "
         f"{mcfg.routing_impl}) | {n_params:,} parameters ({n_params - raw_model.wte.weight.numel():,} non-embedding, "
         f"{n_extra:,} residual-mechanism) | vocab {vocab} ({meta['tokenizer']})")
@@ -566,6 +570,14 @@ def main(argv):
     def peak_mem():
         return f" | peak mem {torch.cuda.max_memory_allocated(device) / 1e9:.1f} GB" if device_type == "cuda" else ""
 
+    def sync_grads():
+        """Average the gradients over the processes in one all-reduce (DDP without its hooks: graphed steps)."""
+        grads = [p.grad for p in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat.div_(world)
+        torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
+
     # ---- the loop
     graphed = GraphedMicrostep(model, autocast, loss_scale=1 / accum) if cfg.cuda_graph else None
     start_step = step
@@ -616,6 +628,8 @@ def main(argv):
                 _, loss = model(x, y)
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
+        if graphed is not None and ddp:
+            sync_grads()
         if ddp:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)   # the logged loss is the global-batch mean
         if cfg.grad_clip > 0:

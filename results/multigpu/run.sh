@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 8 on one host with N GPUs (default: all of them). NVLink multicast stays off (shared hosts).
 #   bash results/multigpu/run.sh ddp           # 100M MHAR, 200 steps on 1 GPU and on N GPUs, same global batch
+#   GRAPH=1 bash results/multigpu/run.sh ddp   # the same with --cuda_graph=True
 #   bash results/multigpu/run.sh fsdp          # random Llama-3.1-8B -> delta form -> 20 FSDP2 steps, checkpoint
 #   bash results/multigpu/run.sh fsdp_resume   # ... resume that checkpoint to step 30
 # Logs go to $OUT (the device tool's output folder) or results/multigpu/logs/.
@@ -21,15 +22,17 @@ FSDP_ARGS="config/midtrain_8b_delta.py --data_dir=data/books_wiki --out_dir=$W/r
   --lr_decay_steps=30 --batch_tokens=$((N * 2 * 4096)) --micro_batch=1 --eval_interval=20 --eval_tokens=$((N * 4096))
   --log_interval=1"
 case "$1" in
-ddp)
+ddp)   # GRAPH=1: both runs with --cuda_graph=True (under torchrun: no DDP wrapper, gradients averaged after the graphs)
   ARGS="config/train_100m.py --data_dir=data/books_wiki --residual=mhar --routing_impl=fused --max_steps=200
-    --warmup_steps=50 --lr_decay_steps=200 --eval_interval=50 --eval_tokens=262144 --save=False --log_interval=1"
-  rm -rf out/ddp_1gpu out/ddp_${N}gpu
-  python train.py $ARGS --out_dir=out/ddp_1gpu > "$DEST/ddp_1gpu.txt" 2>&1
-  torchrun --standalone --nproc_per_node=$N train.py $ARGS --out_dir=out/ddp_${N}gpu > "$DEST/ddp_${N}gpu.txt" 2>&1
-  cp out/ddp_1gpu/log.jsonl "$DEST/ddp_1gpu.log.jsonl"
-  cp out/ddp_${N}gpu/log.jsonl "$DEST/ddp_${N}gpu.log.jsonl"
-  python results/multigpu/compare.py out/ddp_1gpu/log.jsonl out/ddp_${N}gpu/log.jsonl $N | tee "$DEST/ddp_compare.txt"
+    --warmup_steps=50 --lr_decay_steps=200 --eval_interval=50 --eval_tokens=262144 --save=False --log_interval=1
+    ${GRAPH:+--cuda_graph=True}"
+  one=ddp_1gpu${GRAPH:+_graph}; many=ddp_${N}gpu${GRAPH:+_graph}
+  rm -rf out/$one out/$many
+  python train.py $ARGS --out_dir=out/$one > "$DEST/$one.txt" 2>&1
+  torchrun --standalone --nproc_per_node=$N train.py $ARGS --out_dir=out/$many > "$DEST/$many.txt" 2>&1
+  cp out/$one/log.jsonl "$DEST/$one.log.jsonl"
+  cp out/$many/log.jsonl "$DEST/$many.log.jsonl"
+  python results/multigpu/compare.py out/$one/log.jsonl out/$many/log.jsonl $N | tee "$DEST/${many}_compare.txt"
   ;;
 fsdp)
   mkdir -p $W
