@@ -274,6 +274,7 @@ def _pyplot():
 
 def plot_maps(mat, path, title):
     plt = _pyplot()
+    from matplotlib.colors import PowerNorm
     H = mat.size(0)
     cols = min(H, 4)
     rows = math.ceil(H / cols)
@@ -285,8 +286,10 @@ def plot_maps(mat, path, title):
         if h >= H:
             ax.axis("off")
             continue
+        # weights: a square-root colour scale, or the first sites' weights near 1 leave the deep sites' ~0.05 dark
+        scale = dict(vmin=-vmax, vmax=vmax) if diverging else dict(norm=PowerNorm(0.5, vmin=0, vmax=vmax))
         im = ax.imshow(mat[h].numpy(), aspect="auto", interpolation="nearest",
-                       cmap="RdBu_r" if diverging else "viridis", vmin=-vmax if diverging else 0, vmax=vmax)
+                       cmap="RdBu_r" if diverging else "viridis", **scale)
         ax.set_title(f"head {h}", fontsize=9)
         ax.set_xlabel("source")
         ax.set_ylabel("site")
