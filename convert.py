@@ -141,7 +141,7 @@ def build(cfg, weights):
     dtype = next(iter(weights.values())).dtype
     routing = {f"routes.{k}.{p}": init(cfg.n_embd).to(dtype) for k in range(cfg.n_sites)
                for p, init in (("q", torch.zeros), ("g", torch.ones), ("null", torch.zeros),
-                               ("alpha", lambda d: torch.zeros(())))}
+                               ("alpha", lambda d: torch.zeros(1)))}
     return GPT.from_state(cfg, {**weights, **routing})
 
 

@@ -207,6 +207,17 @@ def route_reference(sources, q, g, n_heads, eps=1e-6, return_alpha=False):
     return (out, alpha) if return_alpha else out
 
 
+def upgrade_state(state):
+    """A state dict (model, EMA, or an optimizer's per-parameter states) with the scalar parameters of older
+    checkpoints, 0-dim tensors, reshaped to (1,): the delta gate alpha and the hyper-connection scales s_alpha,
+    s_beta are (1,) since FSDP2 refused 0-dim parameters. AdamW's moments of those parameters were 0-dim too
+    (no other parameter is). The tensors are viewed, not copied."""
+    def fix(name, t):
+        scalar = name.endswith((".alpha", ".s_alpha", ".s_beta", "exp_avg", "exp_avg_sq"))
+        return t.reshape(1) if scalar and isinstance(t, torch.Tensor) and t.dim() == 0 else t
+    return {k: upgrade_state(v) if isinstance(v, dict) else fix(str(k), v) for k, v in state.items()}
+
+
 class Route(nn.Module):
     """One routing site: a query and a key gain over the width d, split into `heads` heads. A delta site
     (SPEC section 5) also has a learnable null source and the scalar alpha that gates its output."""
@@ -218,7 +229,7 @@ class Route(nn.Module):
         self.g = nn.Parameter(torch.ones(dim))
         if delta:
             self.null = nn.Parameter(torch.zeros(dim))   # a source the site may attend to instead of the history
-            self.alpha = nn.Parameter(torch.zeros(()))   # 0: the converted model is the pretrained one, bitwise
+            self.alpha = nn.Parameter(torch.zeros(1))    # 0: the converted model is the pretrained one, bitwise
 
 
 # -----------------------------------------------------------------------------
@@ -245,8 +256,8 @@ class HyperConnection(nn.Module):
             self.norm = RMSNorm(d, cfg.norm_eps)
             self.w_alpha = nn.Parameter(torch.zeros(d, 1 + n))
             self.w_beta = nn.Parameter(torch.zeros(d))
-            self.s_alpha = nn.Parameter(torch.full((), 0.01))
-            self.s_beta = nn.Parameter(torch.full((), 0.01))
+            self.s_alpha = nn.Parameter(torch.full((1,), 0.01))   # shape (1,), not a 0-dim scalar: FSDP2 shards
+            self.s_beta = nn.Parameter(torch.full((1,), 0.01))    # no 0-dim parameters (see upgrade_state)
 
     def forward(self, streams, sublayer, cos, sin):
         # streams: (B, T, n, d). Elementwise products and sums (not einsum/matmul) keep the streams in
@@ -380,11 +391,12 @@ class GPT(nn.Module):
         self._ce_chunk = ce_chunk_grad       # its per-chunk loss and gradient (compiled by compile_sublayers)
         self.reset_parameters()
 
-    def reset_buffers(self, device=None):
-        """(Re)compute the RoPE tables (not saved in checkpoints), e.g. after building the model on the meta device."""
+    def reset_buffers(self, device=None, dtype=None):
+        """(Re)compute the RoPE tables (not saved in checkpoints), e.g. after building the model on the meta
+        device; fp32 unless `dtype` is given."""
         cos, sin = rope_tables(self.cfg.hd, self.cfg.block_size, self.cfg.rope_theta, self.cfg.rope_scaling)
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
 
     def reset_parameters(self):
         # N(0, 0.02) for every linear and embedding weight (SPEC section 3); norms 1; routing q 0, g 1
@@ -592,7 +604,7 @@ class GPT(nn.Module):
         dtype kept): built on the meta device, so nothing is initialised twice (an 8B model loads in seconds)."""
         with torch.device("meta"):
             model = cls(cfg)
-        missing, unexpected = model.load_state_dict(state, assign=True, strict=False)
+        missing, unexpected = model.load_state_dict(upgrade_state(state), assign=True, strict=False)
         missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"state dict does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")

@@ -901,6 +901,45 @@ def test_fsdp_two_processes_match_one(tmp_path, data_dir):
     assert sorted(read_log(two)[0]) == list(range(1, 9))
 
 
+def test_fsdp_delta_and_old_scalar_checkpoints(tmp_path, corpus):
+    """The 8B mid-training path at toy size: a converted delta model under FSDP2 (2 CPU processes, gloo) with
+    per-sublayer activation checkpointing saves and resumes. FSDP2 shards no 0-dim parameters, so the delta gate
+    is shape (1,); a checkpoint from before that change (0-dim alpha and AdamW moments) still loads and resumes."""
+    hf_dir, conv, data, out = (str(tmp_path / n) for n in ("hf", "conv", "data", "run"))
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
+    tok = write_tiny_tokenizer(os.path.join(hf_dir, "tokenizer.json"))
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={conv}", "--num_blocks=2", "--route_heads=4", "--check_batches=1"])
+    prepare_data.prepare(input=corpus, out_dir=data, tokenizer=tok, val_fraction=0.05, max_tokens=30000, workers=1)
+    args = [os.path.join(HERE, "config", "midtrain_8b_delta.py"), f"--data_dir={data}", f"--out_dir={out}",
+            "--block_size=64", "--batch_tokens=256", "--micro_batch=1", "--warmup_steps=2", "--lr_decay_steps=8",
+            "--eval_interval=3", "--eval_tokens=128", "--ema_decay=0.9", "--device=cpu", "--compile=False",
+            "--routing_impl=reference"]
+    dist = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(dist + args + [f"--init_from={conv}", "--max_steps=3"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FSDP2 mixed precision" in r.stdout and "residual=delta" in r.stdout
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["model"]["routes.0.alpha"].shape == (1,) and ckpt["step"] == 3
+    r = subprocess.run(dist + args + ["--init_from=resume", "--max_steps=4"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and sorted(read_log(out)[0]) == [1, 2, 3, 4]
+    # the same checkpoint as an older version wrote it (0-dim gates, moments and EMA), resumed in one process
+    old = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    for part in (old["model"], old["ema"], *old["optimizer"]["state"].values()):
+        for k, v in part.items():
+            if k.endswith(".alpha") or (k in ("exp_avg", "exp_avg_sq") and v.shape == (1,)):
+                part[k] = v.reshape(())
+    assert sum(v.dim() == 0 for v in old["model"].values()) == 8   # one gate per site
+    torch.save(old, os.path.join(out, "ckpt.pt"))
+    model = GPT.from_checkpoint(out)
+    assert model.routes[0].alpha.shape == (1,)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args, "--init_from=resume", "--max_steps=5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(read_log(out)[0]) == [1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_fused_delta_matches_reference(tmp_path, checkpoint):
     hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")

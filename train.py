@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, upgrade_state
 
 
 @dataclass
@@ -278,7 +278,9 @@ def build_model(mcfg, cfg, device, param_dtype, state, master):
         fully_shard(sub, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     model.to_empty(device=device)
-    model.reset_buffers(device)
+    # bf16 RoPE tables: FSDP2 casts each sublayer's inputs to bf16 in forward, but (torch 2.11, compiled sublayers)
+    # not when activation checkpointing recomputes it, which then fails on the fp32 tables' changed dtype
+    model.reset_buffers(device, torch.bfloat16)
     set_model_state_dict(model, state if master else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
@@ -352,6 +354,7 @@ def main(argv):
         if not os.path.isfile(ckpt_path):
             sys.exit(f"train.py: error: --init_from=resume but {ckpt_path} does not exist")
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt.update({k: upgrade_state(ckpt[k]) for k in ("model", "optimizer", "ema") if ckpt.get(k) is not None})
         old = ckpt["train_config"]
         skip = RESUMABLE | (MODEL_KEYS if ckpt.get("model_source", "config") != "config" else set())
         diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in skip and old.get(k) != v]
@@ -385,6 +388,7 @@ def main(argv):
             if not os.path.isfile(path):
                 sys.exit(f"train.py: error: init_from={cfg.init_from!r} is not scratch, resume, or the out_dir of convert.py")
             init = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            init["model"] = upgrade_state(init["model"])
             model_cfg, model_source = init["model_config"], os.path.abspath(path)
             data_tok, model_tok = meta.get("tokenizer_id", meta["tokenizer"]), init.get("tokenizer_id")
             if model_tok is not None and data_tok != model_tok:
@@ -507,6 +511,7 @@ def main(argv):
         return (total[0] / total[1]).item()
 
     def save_checkpoint():
+        t0 = time.time()
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state(device) if device_type == "cuda" else None}
         rngs = [None] * world
@@ -519,10 +524,11 @@ def main(argv):
             model_state, optim_state = get_model_state_dict(raw_model, options=opts), get_optimizer_state_dict(raw_model, optimizer, options=opts)
         else:
             model_state, optim_state = raw_model.state_dict(), optimizer.state_dict()
-        ema_state = None
-        if ema is not None:
-            ema_state = {name: (e.full_tensor() if isinstance(e, DTensor) else e).cpu()
-                         for (name, _), e in zip(raw_model.named_parameters(), ema)}
+        ema_state = None if ema is None else {}
+        for (name, _), e in zip(raw_model.named_parameters(), ema or []):
+            full = e.full_tensor() if isinstance(e, DTensor) else e   # every rank takes part; rank 0 keeps a copy
+            if master:
+                ema_state[name] = full.cpu()
         if master:
             state = {"model": model_state, "optimizer": optim_state, "ema": ema_state, "step": step,
                      "model_config": asdict(mcfg), "model_source": model_source, "train_config": asdict(cfg),
@@ -531,6 +537,7 @@ def main(argv):
                      "data": {"seqs_consumed": step * seqs_per_step, "seed": cfg.seed}, "git": git_revision()}
             torch.save(state, ckpt_path + ".tmp")
             os.replace(ckpt_path + ".tmp", ckpt_path)   # atomic: a crash mid-save leaves the old checkpoint
+            say(f"saved {ckpt_path} (step {step}, {os.path.getsize(ckpt_path) / 1e9:.2f} GB) in {time.time() - t0:.1f} s")
 
     # evals already in the log (a resumed run appends to it; the last record of a step counts)
     evals = {}
@@ -542,11 +549,14 @@ def main(argv):
 
     pending = []  # (step, loss tensor) not yet synced to the host: checked for NaN/inf before any save
 
-    def flush(t_window, n_window):
+    def flush(t_start, n_window):
+        """Log the pending steps; the window since t_start is timed after the losses reach the host, so that it
+        holds the GPU's work (a CUDA-graph step is queued far faster than it runs)."""
         nonlocal pending
         if not pending:
             return
         losses = torch.stack([l for _, l in pending]).tolist()
+        t_window = time.time() - t_start
         for (s, _), loss in zip(pending, losses):
             if not math.isfinite(loss):
                 say(f"train.py: non-finite loss {loss} at step {s}; stopping before any save. The last checkpoint "
@@ -586,7 +596,7 @@ def main(argv):
     while True:
         last = step >= cfg.max_steps
         if (step % cfg.eval_interval == 0 or last) and step not in evals:
-            flush(time.time() - t0, max(n_window, 1))
+            flush(t0, max(n_window, 1))
             if step > start_step and cfg.save:
                 save_checkpoint()                      # before the eval: an eval crash loses nothing
             val = evaluate()
@@ -596,9 +606,11 @@ def main(argv):
             if ema is not None:   # the EMA weights, swapped in for the eval
                 with torch.no_grad():
                     backup = [p.detach().clone() for p in params]
-                    torch._foreach_copy_(params, [e.to(p.dtype) for e, p in zip(ema, params)])
+                    for p, e in zip(params, ema):   # one copy_ per tensor: DTensors (FSDP2) have no _foreach_copy_
+                        p.copy_(e)
                     record["val_loss_ema"] = evaluate()
-                    torch._foreach_copy_(params, backup)
+                    for p, b in zip(params, backup):
+                        p.copy_(b)
                     del backup
             say(f"eval step {step} | val_loss {val:.4f} | tail-mean({len(tail)}) {sum(tail) / len(tail):.4f}"
                 + (f" | ema {record['val_loss_ema']:.4f}" if ema is not None else "") + peak_mem())
@@ -645,7 +657,7 @@ def main(argv):
         n_window += 1
         pending.append((step, loss_sum / accum))
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
-            flush(time.time() - t0, n_window)
+            flush(t0, n_window)
             t0, n_window = time.time(), 0
     if dist.is_initialized():
         dist.destroy_process_group()
