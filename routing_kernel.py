@@ -76,6 +76,9 @@ except ImportError:  # the model falls back to the reference routing (model.py p
 # the loop over sources). fwd, site, gather: chosen with python routing_kernel.py --bench --tune on an H200
 # (BENCHMARKS.md; the gather's tile before v7). pairs ([BLOCK_H, BLOCK_M] scalar tiles): not yet tuned.
 CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3), "pairs": (2048, 4, 2)}
+# per model width (d, H): configs measured at that model's training microbatch with --tune-train, which can differ
+# from the Table 5 shapes' best (e.g. the site pass at 350M); kernels not listed use CONFIG
+SHAPE_CONFIG = {}
 # kernels that split a head whose width is not a power of two into two column parts (_split); the gather is
 # bound by its per-pair scalar loads, not by lanes, and ran 10% slower split at the 1B shape (BENCHMARKS.md)
 SPLIT = ("fwd", "site")
@@ -565,7 +568,8 @@ class RoutingChain:
         self.N, self.M, self.d, self.H, self.D, self.eps = n_sites, tokens, d, heads, d // heads, eps
         self.dtype, self.device, self.training = dtype, device, training
         self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages, column or head constexprs)
-        for name, (tile, warps, stages) in CONFIG.items():
+        for name in CONFIG:
+            tile, warps, stages = SHAPE_CONFIG.get((d, heads), {}).get(name, CONFIG[name])
             if name == "pairs":   # a program per token block, every head
                 block_h = triton.next_power_of_2(heads)
                 bm = min(1024, triton.next_power_of_2(max(1, tile // block_h)))
@@ -824,29 +828,14 @@ def main(argv):
         print(f"fused is {rows[1]['ms'] / rows[0]['ms']:.2f}x faster than the checkpointed reference")
         return _write_rows(rows, copy_bw)
     shapes = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
-              ("100M-train", 12, 512, 4, 8, 2048), ("1B-train", 36, 1280, 8, 2, 1024)]
+              ("100M-train", 12, 512, 4, 8, 2048), ("350M-train", 24, 1024, 8, 4, 1024), ("1B-train", 36, 1280, 8, 2, 1024)]
     tune = [a for a in argv if a.startswith("--tune")]
-    if tune:   # coordinate descent over each kernel's (tile, warps, stages), on GPU time; --tune=gather: one kernel
-        candidates = [(1024, 2, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4),
-                      (16384, 8, 3)]
-        kernels = tune[0].split("=", 1)[1].split(",") if "=" in tune[0] else ("site", "gather", "fwd")
+    if tune:   # --tune[=KERNELS]: Table 5 shapes -> CONFIG; --tune-train[=KERNELS]: each training shape -> SHAPE_CONFIG
+        per_shape = tune[0].startswith("--tune-train")
+        kernels = tune[0].split("=", 1)[1].split(",") if "=" in tune[0] else ("site", "gather", "fwd", "pairs")
         if any(k not in CONFIG for k in kernels):
             sys.exit(f"routing_kernel.py: --tune=KERNEL[,KERNEL]: one of {', '.join(CONFIG)}")
-        for kernel in kernels:
-            results = []
-            for cand in candidates:
-                CONFIG[kernel] = cand
-                try:
-                    times = [time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0]
-                             for _, L, d, H, B, T in shapes[:3]]
-                except Exception as e:   # e.g. out of shared memory or registers: skip the candidate
-                    print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: failed: {str(e)[:200]}")
-                    continue
-                results.append((math.prod(times) ** (1 / 3), cand, times))
-                print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: "
-                      + " | ".join(f"{s[0]} {t:6.2f} ms" for s, t in zip(shapes, times)), flush=True)
-            CONFIG[kernel] = min(results)[1]
-        print("tuned CONFIG =", CONFIG, flush=True)
+        tune_configs(kernels, [s for s in shapes if s[0].endswith("train")] if per_shape else shapes[:3], per_shape, device)
     if "--cpu-profile" in argv:   # where the eager chain's host time goes (100M shape)
         from torch.profiler import ProfilerActivity, profile
         step = _fused_step(25, 2, 2048, 512, 4, device)
@@ -877,6 +866,30 @@ def main(argv):
             except Exception as e:   # the profiler's event fields move between torch versions
                 print(f"profiler failed: {e!r}")
     _write_rows(rows, copy_bw)
+
+
+def tune_configs(kernels, shapes, per_shape, device):
+    """Coordinate descent over each kernel's (tile, warps, stages) on GPU time (graph replay): the best geometric
+    mean over the shapes into CONFIG, or (per_shape) the best at each shape into SHAPE_CONFIG[(d, H)]."""
+    candidates = [(1024, 2, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4),
+                  (16384, 8, 3)]
+    for group in ([[s] for s in shapes] if per_shape else [shapes]):
+        table = SHAPE_CONFIG.setdefault(tuple(group[0][2:4]), {}) if per_shape else CONFIG
+        for kernel in kernels:
+            results = []
+            for cand in candidates:
+                table[kernel] = cand
+                try:
+                    times = [time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0]
+                             for _, L, d, H, B, T in group]
+                except Exception as e:   # e.g. out of shared memory or registers: skip the candidate
+                    print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: failed: {str(e)[:200]}")
+                    continue
+                results.append((math.prod(times) ** (1 / len(times)), cand, times))
+                print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: "
+                      + " | ".join(f"{s[0]} {t:6.2f} ms" for s, t in zip(group, times)), flush=True)
+            table[kernel] = min(results)[1]
+    print("tuned", "SHAPE_CONFIG =" if per_shape else "CONFIG =", SHAPE_CONFIG if per_shape else CONFIG, flush=True)
 
 
 def _write_rows(rows, copy_bw):
