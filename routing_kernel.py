@@ -22,17 +22,21 @@ known, so the gradient of s_{j-1} is gathered there once, completely, and return
                                        j sources (each tile read once), store out and the per-head
                                        log-sum-exp (alpha is rebuilt from it: nothing per pair is saved)
     backward, site j  (_route_bwd_site): read the j sources and G_j once: c, dw partials, and the per-pair
-                                       scalars da and logit (dlogit needs c, known only after the loop,
-                                       so the gathers rebuild alpha and dlogit from da, logit, c, lse)
-    backward, gather  (_route_bwd_gather): read s_{j-1} once and G_{j'} of every site j' >= j once;
-                                       write ds_{j-1}; its first token block also reduces dq, dg
+                                       scalars da and logit (dlogit needs c, known only after the loop)
+    backward, pairs   (_route_bwd_pairs): site j's per-pair scalars, every head of a token block in one
+                                       program: alpha and dlogit in place of logit and da, and the
+                                       head sum dlogit * logit that K needs (one scalar per pair)
+    backward, gather  (_route_bwd_gather): read s_{j-1} once and G_{j'} of every site j' >= j once, with
+                                       3 scalars per pair (its head's alpha and dlogit, the pair's K
+                                       term); write ds_{j-1}; its first token block also reduces dq, dg
 Deterministic: no atomics; dw is reduced from per-program partials in a fixed order.
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets):
     S   [N, M, d]  sources, activation dtype      R   [N, M]     fp32 RMS factors
     W   [N, d]     fp32 w = q*g per site           LSE [N, H, M]  fp32 per-site log-sum-exp
     GB  [N, M, d]  upstream gradients, act. dtype  C   [N, H, M]  fp32 c per site
-    DA, LG [P, H, M] fp32 per-pair da and logit, pair (j, n) at j(j-1)/2 + n, P = N(N+1)/2
+    DA, LG [P, H, M] fp32 per-pair da and logit (after the pair pass: dlogit and alpha), pair (j, n) at
+                   j(j-1)/2 + n, P = N(N+1)/2          KP  [P, M]     fp32 sum_h dlogit * logit per pair
 Dtypes: sources and gradients bf16 / fp16 / fp32; every reduction and the softmax in fp32.
 Envelope: d % H == 0, D = d/H >= 16 (any D: the forward and the site pass hold a head as two power-of-two
 column parts, D = 160 as 128 + 32, so a width that is a sum of two powers of two has no padded lanes); any number of
@@ -48,10 +52,11 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
     100M (d512, N25, 4096 tokens): 4.1 GB -> 0.98 ms at the H200's measured 4.18 TB/s copy bandwidth.
     Measured (BENCHMARKS.md): 1.96 / 3.79 / 9.46 ms GPU time at the paper's Table 5 shapes (100M / 350M / 1B),
     50% / 49% / 54% of copy bandwidth. What limits it (Nsight Compute, 1B): too few warps to hide latency (the
-    site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and the gather's
-    per-pair scalar loads of all H heads. (v6 tried one gather program per token block covering every head, so
-    each scalar is loaded once: the chain ran 1.7-2.6x slower on the H200, 1.3-1.5x at its best tile; not
-    profiled, BENCHMARKS.md.) Eager wall time is bound by ~120 us of Python per Triton launch; train.py
+    site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the
+    gather's per-pair scalar loads of all H heads in every head's program (4H loads and H exps per pair and
+    token: 83% of L1 throughput at 1B). v6 gave one gather program a token block with every head: 1.7-2.6x
+    slower (1.3-1.5x at its best tile; not profiled, BENCHMARKS.md). v7 keeps per-head gather programs and
+    moves the all-heads work to the small pair pass, once per pair: the gather loads 3 scalars per pair. Eager wall time is bound by ~120 us of Python per Triton launch; train.py
     --cuda_graph replays the whole step instead.
 """
 import math
@@ -68,8 +73,12 @@ except ImportError:  # the model falls back to the reference routing (model.py p
     triton = None
 
 # per kernel: (elements per [BLOCK_M, BLOCK_D] register tile, warps per program, software-pipelining depth of
-# the loop over sources). Chosen with python routing_kernel.py --bench --tune on an H200 (BENCHMARKS.md).
-CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3)}
+# the loop over sources). fwd, site, gather: chosen with python routing_kernel.py --bench --tune on an H200
+# (BENCHMARKS.md; the gather's tile before v7). pairs ([BLOCK_H, BLOCK_M] scalar tiles): not yet tuned.
+CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3), "pairs": (2048, 4, 2)}
+# per model width (d, H): configs measured at that model's training microbatch with --tune-train, which can differ
+# from the Table 5 shapes' best (e.g. the site pass at 350M); kernels not listed use CONFIG
+SHAPE_CONFIG = {}
 # kernels that split a head whose width is not a power of two into two column parts (_split); the gather is
 # bound by its per-pair scalar loads, not by lanes, and ran 10% slower split at the 1B shape (BENCHMARKS.md)
 SPLIT = ("fwd", "site")
@@ -321,21 +330,49 @@ if triton is not None:
         tl.store(DQG + h * D + cols, dw * g, mask=cmask)
         tl.store(DQG + DM + h * D + cols, dw * q, mask=cmask)
 
+    @triton.jit(do_not_specialize=["j"])
+    def _route_bwd_pairs(
+        LSE, C,           # [N, H, M] fp32 (read)
+        DA, LG,           # [P, H, M] fp32: site j's pairs hold da and logit; rewritten as dlogit and alpha
+        KP,               # [P, M] fp32 sum_h dlogit * logit of site j's pairs (written)
+        M, j,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+    ):
+        # One program per token block with every head ([BLOCK_H, BLOCK_M] tiles, tokens contiguous): each
+        # per-pair scalar is read, exponentiated and written once, where the gathers' per-head programs would
+        # each need every head's scalars for K (the RMS term couples the heads).
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
+        heads = tl.arange(0, BLOCK_H)
+        rmask = rows < M
+        mask = (heads[:, None] < H) & rmask[None, :]
+        site = ((j - 1) * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
+        lse = tl.load(LSE + site, mask=mask, other=0.0)
+        c = tl.load(C + site, mask=mask, other=0.0)
+        pair0 = j * (j - 1) // 2
+        for n in tl.range(0, j, num_stages=STAGES):
+            off = ((pair0 + n) * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
+            lg = tl.load(LG + off, mask=mask, other=0.0)
+            alpha = tl.exp(lg - lse)
+            dlogit = alpha * (tl.load(DA + off, mask=mask, other=0.0) - c)
+            tl.store(LG + off, alpha, mask=mask)
+            tl.store(DA + off, dlogit, mask=mask)
+            tl.store(KP + (pair0 + n).to(tl.int64) * M + rows64, tl.sum(dlogit * lg, axis=0), mask=rmask)
+
     @triton.jit(do_not_specialize=["j", "n_sites", "n_blocks"])
     def _route_bwd_gather(
-        S, R, W, LSE, GB, DA, LG, C, PART,   # as above (read)
+        S, R, W, GB, PART,                   # as above (read)
+        DL, AL,                              # [P, H, M] fp32 per-pair dlogit and alpha (the pair pass's output)
+        KP,                                  # [P, M] fp32 sum_h dlogit * logit per pair
         Q, G,                                # [DM] this site's query and key gain
         DS,                                  # [M, DM] gradient of source n = j-1, activation dtype
         DQG,                                 # [2, DM] fp32 gradients of q and g of this site
         M, j, n_sites, n_blocks, inv_dm,
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+        BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
     ):
         SPLIT: tl.constexpr = BLOCK_B > 0
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
-        heads = tl.arange(0, BLOCK_H)
-        hmask = (heads[:, None] < H) & rmask[None, :]
-        own = heads[:, None] == h
         n = j - 1
         src = (n * M).to(tl.int64) * DM
         r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
@@ -350,16 +387,11 @@ if triton is not None:
             u_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
         k = tl.zeros((BLOCK_M,), tl.float32)             # sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
         for jp in tl.range(j, n_sites + 1, num_stages=STAGES):   # every site that reads source n
-            # per-pair scalars of every head: alpha = exp(logit - lse), dlogit = alpha (da - c)
-            pair = jp * (jp - 1) // 2 + n
-            pp = (pair * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
-            sp = ((jp - 1) * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
-            lg = tl.load(LG + pp, mask=hmask, other=0.0)
-            alpha = tl.exp(lg - tl.load(LSE + sp, mask=hmask, other=0.0))
-            dlogit = alpha * (tl.load(DA + pp, mask=hmask, other=0.0) - tl.load(C + sp, mask=hmask, other=0.0))
-            k += tl.sum(dlogit * lg, axis=0)
-            a_h = tl.sum(tl.where(own, alpha, 0.0), axis=0)[:, None]
-            dl_h = tl.sum(tl.where(own, dlogit, 0.0), axis=0)[:, None]
+            pair = (jp * (jp - 1) // 2 + n).to(tl.int64)
+            own = (pair * H + h) * M + rows64
+            a_h = tl.load(AL + own, mask=rmask, other=0.0)[:, None]
+            dl_h = tl.load(DL + own, mask=rmask, other=0.0)[:, None]
+            k += tl.load(KP + pair * M + rows64, mask=rmask, other=0.0)
             gbase = ((jp - 1) * M).to(tl.int64) * DM
             wbase = (jp - 1) * DM + h * D
             acc_a += a_h * tl.load(GB + gbase + tile_a, mask=mask_a, other=0.0).to(tl.float32)
@@ -535,8 +567,14 @@ class RoutingChain:
         check_envelope(d, heads, dtype)
         self.N, self.M, self.d, self.H, self.D, self.eps = n_sites, tokens, d, heads, d // heads, eps
         self.dtype, self.device, self.training = dtype, device, training
-        self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages, {D_A, BLOCK_B})
-        for name, (tile, warps, stages) in CONFIG.items():
+        self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages, column or head constexprs)
+        for name in CONFIG:
+            tile, warps, stages = SHAPE_CONFIG.get((d, heads), {}).get(name, CONFIG[name])
+            if name == "pairs":   # a program per token block, every head
+                block_h = triton.next_power_of_2(heads)
+                bm = min(1024, triton.next_power_of_2(max(1, tile // block_h)))
+                self.launch[name] = ((triton.cdiv(tokens, bm),), bm, warps, stages, dict(BLOCK_H=block_h))
+                continue
             d_a, block_b, lanes = _split(self.D, split=name in SPLIT)
             bm = _block_m(tile, lanes)
             self.launch[name] = ((triton.cdiv(tokens, bm) * heads,), bm, warps, stages, dict(D_A=d_a, BLOCK_B=block_b))
@@ -552,6 +590,7 @@ class RoutingChain:
             self.DA = torch.empty(P, H, M, dtype=torch.float32, device=device)
             self.LG = torch.empty(P, H, M, dtype=torch.float32, device=device)
             self.C = torch.empty(N, H, M, dtype=torch.float32, device=device)
+            self.KP = torch.empty(P, M, dtype=torch.float32, device=device)
             self.PART = torch.empty(self.n_blocks, d, dtype=torch.float32, device=device)
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
@@ -595,13 +634,15 @@ class RoutingChain:
         _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.DA, self.LG, self.C, self.PART,
                               M, j, DM=d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
                               STAGES=stages, num_warps=warps)
+        grid, bm, warps, stages, parts = self.launch["pairs"]
+        _route_bwd_pairs[grid](self.LSE, self.C, self.DA, self.LG, self.KP, M, j, H=self.H, **parts, BLOCK_M=bm,
+                               STAGES=stages, num_warps=warps)
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
         dqg = torch.empty(2, d, dtype=torch.float32, device=grad_out.device)
         grid, bm, warps, stages, parts = self.launch["gather"]
-        _route_bwd_gather[grid](self.S, self.R, self.W, self.LSE, self.GB, self.DA, self.LG, self.C, self.PART, q, g,
+        _route_bwd_gather[grid](self.S, self.R, self.W, self.GB, self.PART, self.DA, self.LG, self.KP, q, g,
                                 ds, dqg, M, j, self.N, self.n_blocks, 1.0 / d, DM=d, H=self.H, D=self.D,
-                                **parts, BLOCK_M=bm, BLOCK_H=triton.next_power_of_2(self.H),
-                                STAGES=stages, num_warps=warps)
+                                **parts, BLOCK_M=bm, STAGES=stages, num_warps=warps)
         self.next_bwd = j - 1
         return ds, dqg[0].to(q.dtype), dqg[1].to(g.dtype)
 
@@ -787,29 +828,14 @@ def main(argv):
         print(f"fused is {rows[1]['ms'] / rows[0]['ms']:.2f}x faster than the checkpointed reference")
         return _write_rows(rows, copy_bw)
     shapes = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
-              ("100M-train", 12, 512, 4, 8, 2048), ("1B-train", 36, 1280, 8, 2, 1024)]
+              ("100M-train", 12, 512, 4, 8, 2048), ("350M-train", 24, 1024, 8, 4, 1024), ("1B-train", 36, 1280, 8, 2, 1024)]
     tune = [a for a in argv if a.startswith("--tune")]
-    if tune:   # coordinate descent over each kernel's (tile, warps, stages), on GPU time; --tune=gather: one kernel
-        candidates = [(1024, 2, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4),
-                      (16384, 8, 3)]
-        kernels = tune[0].split("=", 1)[1].split(",") if "=" in tune[0] else ("site", "gather", "fwd")
+    if tune:   # --tune[=KERNELS]: Table 5 shapes -> CONFIG; --tune-train[=KERNELS]: each training shape -> SHAPE_CONFIG
+        per_shape = tune[0].startswith("--tune-train")
+        kernels = tune[0].split("=", 1)[1].split(",") if "=" in tune[0] else ("site", "gather", "fwd", "pairs")
         if any(k not in CONFIG for k in kernels):
             sys.exit(f"routing_kernel.py: --tune=KERNEL[,KERNEL]: one of {', '.join(CONFIG)}")
-        for kernel in kernels:
-            results = []
-            for cand in candidates:
-                CONFIG[kernel] = cand
-                try:
-                    times = [time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0]
-                             for _, L, d, H, B, T in shapes[:3]]
-                except Exception as e:   # e.g. out of shared memory or registers: skip the candidate
-                    print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: failed: {str(e)[:200]}")
-                    continue
-                results.append((math.prod(times) ** (1 / 3), cand, times))
-                print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: "
-                      + " | ".join(f"{s[0]} {t:6.2f} ms" for s, t in zip(shapes, times)), flush=True)
-            CONFIG[kernel] = min(results)[1]
-        print("tuned CONFIG =", CONFIG, flush=True)
+        tune_configs(kernels, [s for s in shapes if s[0].endswith("train")] if per_shape else shapes[:3], per_shape, device)
     if "--cpu-profile" in argv:   # where the eager chain's host time goes (100M shape)
         from torch.profiler import ProfilerActivity, profile
         step = _fused_step(25, 2, 2048, 512, 4, device)
@@ -840,6 +866,30 @@ def main(argv):
             except Exception as e:   # the profiler's event fields move between torch versions
                 print(f"profiler failed: {e!r}")
     _write_rows(rows, copy_bw)
+
+
+def tune_configs(kernels, shapes, per_shape, device):
+    """Coordinate descent over each kernel's (tile, warps, stages) on GPU time (graph replay): the best geometric
+    mean over the shapes into CONFIG, or (per_shape) the best at each shape into SHAPE_CONFIG[(d, H)]."""
+    candidates = [(1024, 2, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4),
+                  (16384, 8, 3)]
+    for group in ([[s] for s in shapes] if per_shape else [shapes]):
+        table = SHAPE_CONFIG.setdefault(tuple(group[0][2:4]), {}) if per_shape else CONFIG
+        for kernel in kernels:
+            results = []
+            for cand in candidates:
+                table[kernel] = cand
+                try:
+                    times = [time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0]
+                             for _, L, d, H, B, T in group]
+                except Exception as e:   # e.g. out of shared memory or registers: skip the candidate
+                    print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: failed: {str(e)[:200]}")
+                    continue
+                results.append((math.prod(times) ** (1 / len(times)), cand, times))
+                print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: "
+                      + " | ".join(f"{s[0]} {t:6.2f} ms" for s, t in zip(group, times)), flush=True)
+            table[kernel] = min(results)[1]
+    print("tuned", "SHAPE_CONFIG =" if per_shape else "CONFIG =", SHAPE_CONFIG if per_shape else CONFIG, flush=True)
 
 
 def _write_rows(rows, copy_bw):
@@ -958,7 +1008,7 @@ def profile_chain(N, B, T, d, H, device):
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if t > 0:
-            key = next((k for k in ("_route_fwd", "_route_bwd_site", "_route_bwd_gather") if k in e.key), "other")
+            key = next((k for k in ("_route_fwd", "_route_bwd_site", "_route_bwd_pairs", "_route_bwd_gather") if k in e.key), "other")
             total[key] = total.get(key, 0.0) + t / 1e3
     return {k: round(v, 3) for k, v in sorted(total.items())}
 

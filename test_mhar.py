@@ -487,6 +487,17 @@ def test_fused_routing_no_kernel_split(dtype, monkeypatch):
     check_fused_chain(4, 2, 19, 112, 4, dtype)
 
 
+def test_fused_routing_shape_config(monkeypatch):
+    """A model width's own configs (SHAPE_CONFIG, from --tune-train) replace CONFIG's for that width only."""
+    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
+    monkeypatch.setattr(rk, "SHAPE_CONFIG", {(96, 4): {"site": (1024, 2, 2), "pairs": (256, 1, 1)}})
+    mine = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True).launch
+    other = rk.RoutingChain(3, 10, 64, 4, 1e-6, torch.float32, DEVICE, training=True).launch
+    assert mine["site"][2:4] == (2, 2) and mine["pairs"][2:4] == (1, 1) and mine["fwd"][2:4] == rk.CONFIG["fwd"][1:]
+    assert other["site"][2:4] == rk.CONFIG["site"][1:]
+    check_fused_chain(5, 1, 33, 96, 4, torch.float32)
+
+
 def check_fused_chain(N, B, T, d, H, dtype):
     gen = torch.Generator().manual_seed(N * 1000 + T)
     src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
