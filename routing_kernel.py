@@ -74,11 +74,17 @@ except ImportError:  # the model falls back to the reference routing (model.py p
 
 # per kernel: (elements per [BLOCK_M, BLOCK_D] register tile, warps per program, software-pipelining depth of
 # the loop over sources). fwd, site, gather: chosen with python routing_kernel.py --bench --tune on an H200
-# (BENCHMARKS.md; the gather's tile before v7). pairs ([BLOCK_H, BLOCK_M] scalar tiles): not yet tuned.
-CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3), "pairs": (2048, 4, 2)}
-# per model width (d, H): configs measured at that model's training microbatch with --tune-train, which can differ
-# from the Table 5 shapes' best (e.g. the site pass at 350M); kernels not listed use CONFIG
-SHAPE_CONFIG = {}
+# (BENCHMARKS.md; the gather's tile before v7). pairs ([BLOCK_H, BLOCK_M] scalar tiles, no loop: stages unused):
+# the best at all three training shapes with --tune-train when its programs still looped over the sources.
+CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3), "pairs": (1024, 2, 3)}
+# per model width (d, H): configs measured at that model's training microbatch (paper Table 1: 100M 8 x 2048,
+# 350M 4 x 1024, 1B 2 x 1024) with --tune-train on an H200 (results/kernel/routing_v7_tune_train_h200.txt),
+# which can differ from the Table 5 shapes' best; kernels not listed use CONFIG. Other widths use CONFIG.
+SHAPE_CONFIG = {
+    (512, 4): {"gather": (1024, 2, 3), "pairs": (1024, 2, 3), "site": (4096, 4, 3)},
+    (1024, 8): {"gather": (4096, 4, 4), "pairs": (1024, 2, 3), "site": (1024, 2, 3)},
+    (1280, 8): {"gather": (1024, 2, 3), "pairs": (1024, 2, 3), "site": (4096, 4, 4)},
+}
 # kernels that split a head whose width is not a power of two into two column parts (_split); the gather is
 # bound by its per-pair scalar loads, not by lanes, and ran 10% slower split at the 1B shape (BENCHMARKS.md)
 SPLIT = ("fwd", "site")
@@ -336,28 +342,27 @@ if triton is not None:
         DA, LG,           # [P, H, M] fp32: site j's pairs hold da and logit; rewritten as dlogit and alpha
         KP,               # [P, M] fp32 sum_h dlogit * logit of site j's pairs (written)
         M, j,
-        H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
-        # One program per token block with every head ([BLOCK_H, BLOCK_M] tiles, tokens contiguous): each
-        # per-pair scalar is read, exponentiated and written once, where the gathers' per-head programs would
-        # each need every head's scalars for K (the RMS term couples the heads).
+        # One program per (token block, source n of site j) with every head ([BLOCK_H, BLOCK_M] tiles, tokens
+        # contiguous): each per-pair scalar is read, exponentiated and written once, where the gathers' per-head
+        # programs would each need every head's scalars for K (the RMS term couples the heads). Given the site's
+        # lse and c the sources are independent, so they are a grid axis (a loop over them left a site's
+        # M / BLOCK_M programs, 8-16 at the paper's shapes, to run one after another).
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = (j * (j - 1) // 2 + tl.program_id(1)).to(tl.int64)
         rows64 = rows.to(tl.int64)
         heads = tl.arange(0, BLOCK_H)
         rmask = rows < M
         mask = (heads[:, None] < H) & rmask[None, :]
         site = ((j - 1) * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
-        lse = tl.load(LSE + site, mask=mask, other=0.0)
-        c = tl.load(C + site, mask=mask, other=0.0)
-        pair0 = j * (j - 1) // 2
-        for n in tl.range(0, j, num_stages=STAGES):
-            off = ((pair0 + n) * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
-            lg = tl.load(LG + off, mask=mask, other=0.0)
-            alpha = tl.exp(lg - lse)
-            dlogit = alpha * (tl.load(DA + off, mask=mask, other=0.0) - c)
-            tl.store(LG + off, alpha, mask=mask)
-            tl.store(DA + off, dlogit, mask=mask)
-            tl.store(KP + (pair0 + n).to(tl.int64) * M + rows64, tl.sum(dlogit * lg, axis=0), mask=rmask)
+        off = (pair * H + heads[:, None]) * M + rows64[None, :]
+        lg = tl.load(LG + off, mask=mask, other=0.0)
+        alpha = tl.exp(lg - tl.load(LSE + site, mask=mask, other=0.0))
+        dlogit = alpha * (tl.load(DA + off, mask=mask, other=0.0) - tl.load(C + site, mask=mask, other=0.0))
+        tl.store(LG + off, alpha, mask=mask)
+        tl.store(DA + off, dlogit, mask=mask)
+        tl.store(KP + pair * M + rows64, tl.sum(dlogit * lg, axis=0), mask=rmask)
 
     @triton.jit(do_not_specialize=["j", "n_sites", "n_blocks"])
     def _route_bwd_gather(
@@ -570,7 +575,7 @@ class RoutingChain:
         self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages, column or head constexprs)
         for name in CONFIG:
             tile, warps, stages = SHAPE_CONFIG.get((d, heads), {}).get(name, CONFIG[name])
-            if name == "pairs":   # a program per token block, every head
+            if name == "pairs":   # a program per token block and source (the grid's second axis), every head
                 block_h = triton.next_power_of_2(heads)
                 bm = min(1024, triton.next_power_of_2(max(1, tile // block_h)))
                 self.launch[name] = ((triton.cdiv(tokens, bm),), bm, warps, stages, dict(BLOCK_H=block_h))
@@ -634,9 +639,9 @@ class RoutingChain:
         _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.DA, self.LG, self.C, self.PART,
                               M, j, DM=d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
                               STAGES=stages, num_warps=warps)
-        grid, bm, warps, stages, parts = self.launch["pairs"]
-        _route_bwd_pairs[grid](self.LSE, self.C, self.DA, self.LG, self.KP, M, j, H=self.H, **parts, BLOCK_M=bm,
-                               STAGES=stages, num_warps=warps)
+        grid, bm, warps, _, parts = self.launch["pairs"]
+        _route_bwd_pairs[grid + (j,)](self.LSE, self.C, self.DA, self.LG, self.KP, M, j, H=self.H, **parts,
+                                      BLOCK_M=bm, num_warps=warps)
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
         dqg = torch.empty(2, d, dtype=torch.float32, device=grad_out.device)
         grid, bm, warps, stages, parts = self.launch["gather"]
