@@ -23,9 +23,9 @@ known, so the gradient of s_{j-1} is gathered there once, completely, and return
                                        log-sum-exp (alpha is rebuilt from it: nothing per pair is saved)
     backward, site j  (_route_bwd_site): read the j sources and G_j once: c, dw partials, and the per-pair
                                        scalars da and logit (dlogit needs c, known only after the loop)
-    backward, pairs   (_route_bwd_pairs): site j's per-pair scalars, every head of a token block in one
-                                       program: alpha and dlogit in place of logit and da, and the
-                                       head sum dlogit * logit that K needs (one scalar per pair)
+    backward, pairs   (_route_bwd_pairs): site j's per-pair scalars, one program per (token block, source)
+                                       with every head: alpha and dlogit in place of logit and da, and
+                                       the head sum dlogit * logit that K needs (one scalar per pair)
     backward, gather  (_route_bwd_gather): read s_{j-1} once and G_{j'} of every site j' >= j once, with
                                        3 scalars per pair (its head's alpha and dlogit, the pair's K
                                        term); write ds_{j-1}; its first token block also reduces dq, dg
@@ -50,14 +50,16 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
  => ~6 P d bytes per token (plus O(N d) for writing sources, outputs and gradients), against ~14 for a
     kernel that reads twice in backward and read-modify-writes an fp32 gradient buffer per pair.
     100M (d512, N25, 4096 tokens): 4.1 GB -> 0.98 ms at the H200's measured 4.18 TB/s copy bandwidth.
-    Measured (BENCHMARKS.md): 1.96 / 3.79 / 9.46 ms GPU time at the paper's Table 5 shapes (100M / 350M / 1B),
-    50% / 49% / 54% of copy bandwidth. What limits it (Nsight Compute, 1B): too few warps to hide latency (the
+    Measured (BENCHMARKS.md), v5: 1.96 / 3.79 / 9.46 ms GPU time at the paper's Table 5 shapes (100M / 350M /
+    1B), 50% / 49% / 54% of copy bandwidth; v7b (this file): 2.14 / 3.65 / 8.39 ms, and 6.76 / 11.59 / 15.87 ms
+    at the training microbatches (v5: 6.88 / 13.28 / 18.20). What limits it (Nsight Compute, 1B): too few warps to hide latency (the
     site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the
     gather's per-pair scalar loads of all H heads in every head's program (4H loads and H exps per pair and
     token: 83% of L1 throughput at 1B). v6 gave one gather program a token block with every head: 1.7-2.6x
     slower (1.3-1.5x at its best tile; not profiled, BENCHMARKS.md). v7 keeps per-head gather programs and
-    moves the all-heads work to the small pair pass, once per pair: the gather loads 3 scalars per pair. Eager wall time is bound by ~120 us of Python per Triton launch; train.py
-    --cuda_graph replays the whole step instead.
+    moves the all-heads work to the small pair pass, once per pair: the gather loads 3 scalars per pair.
+    Eager wall time is bound by ~120 us of Python per Triton launch; train.py --cuda_graph replays the whole
+    step instead.
 """
 import math
 import os
@@ -80,10 +82,10 @@ CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3), "p
 # per model width (d, H): configs measured at that model's training microbatch (paper Table 1: 100M 8 x 2048,
 # 350M 4 x 1024, 1B 2 x 1024) with --tune-train on an H200 (results/kernel/routing_v7_tune_train_h200.txt),
 # which can differ from the Table 5 shapes' best; kernels not listed use CONFIG. Other widths use CONFIG.
-SHAPE_CONFIG = {
-    (512, 4): {"gather": (1024, 2, 3), "pairs": (1024, 2, 3), "site": (4096, 4, 3)},
-    (1024, 8): {"gather": (4096, 4, 4), "pairs": (1024, 2, 3), "site": (1024, 2, 3)},
-    (1280, 8): {"gather": (1024, 2, 3), "pairs": (1024, 2, 3), "site": (4096, 4, 4)},
+SHAPE_CONFIG = {   # (the tuned gather at 512 / 1280 and pairs everywhere equal CONFIG's)
+    (512, 4): {"site": (4096, 4, 3)},
+    (1024, 8): {"gather": (4096, 4, 4), "site": (1024, 2, 3)},
+    (1280, 8): {"site": (4096, 4, 4)},
 }
 # kernels that split a head whose width is not a power of two into two column parts (_split); the gather is
 # bound by its per-pair scalar loads, not by lanes, and ran 10% slower split at the 1B shape (BENCHMARKS.md)
