@@ -126,7 +126,7 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile
         os.makedirs(profile_dir, exist_ok=True)
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), record_shapes=True) as prof:
             for _ in range(3):
                 step()
             sync()
@@ -136,6 +136,10 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         with open(path + ".txt", "w") as f:   # where the time goes: kernels and ops by their own time
             f.write(events.table(sort_by=sort, row_limit=40, max_name_column_width=80))
+            f.write("\n\nOperators by input shape (device time of the kernels each one launched):\n")
+            f.write(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=40, max_name_column_width=50,
+                max_shapes_column_width=70))
         row["trace"] = path + ".json"
         if cuda:   # kernel time per step against the step's wall time: below it, the host is the bottleneck
             row["gpu_busy_ms"] = sum(e.self_device_time_total for e in events) / 1e3 / 3

@@ -442,7 +442,10 @@ class GPT(nn.Module):
         loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1)
         if self.z_loss and torch.is_grad_enabled():   # logit z-loss (PaLM): keeps log Z near 0; training only
             loss = loss + self.z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean()
-        return logits, loss
+        # logits returned beside a loss come back detached: the loss carries the gradient. A compiled head whose
+        # logits output required grad would get a zero gradient for it, materialised in every backward (AOT autograd
+        # fills unused output gradients): a (B, T, vocab) fill, 1.5 ms and 5 GB per 100M step at 151,936 tokens
+        return logits.detach(), loss
 
     def forward(self, idx, targets=None, return_routing=False):
         B, T = idx.shape

@@ -20,9 +20,10 @@ Backward runs sites in reverse (N, N-1, ..., 1): when site j's backward runs, ev
 known, so the gradient of s_{j-1} is gathered there once, completely, and returned to autograd.
     forward, site j   (_route_fwd):    write s_{j-1} and r_{j-1} into the buffer, online softmax over the
                                        j sources (each tile read once), store out and the per-head
-                                       log-sum-exp (alpha is rebuilt from it: nothing per pair is saved)
+                                       log-sum-exp; at the widths in STORED_LOGITS also each pair's logit
     backward, site j  (_route_bwd_site): read the j sources and G_j once: c, dw partials, and the per-pair
-                                       scalars da and logit (dlogit needs c, known only after the loop)
+                                       scalar da (dlogit needs c, known only after the loop); the logit
+                                       is loaded, or recomputed and stored (other widths)
     backward, pairs   (_route_bwd_pairs): site j's per-pair scalars, one program per (token block, source)
                                        with every head: alpha and dlogit in place of logit and da, and
                                        the head sum dlogit * logit that K needs (one scalar per pair)
@@ -51,8 +52,9 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
     kernel that reads twice in backward and read-modify-writes an fp32 gradient buffer per pair.
     100M (d512, N25, 4096 tokens): 4.1 GB -> 0.98 ms at the H200's measured 4.18 TB/s copy bandwidth.
     Measured (BENCHMARKS.md), v5: 1.96 / 3.79 / 9.46 ms GPU time at the paper's Table 5 shapes (100M / 350M /
-    1B), 50% / 49% / 54% of copy bandwidth; v7b (this file): 2.14 / 3.65 / 8.39 ms, and 6.76 / 11.59 / 15.87 ms
-    at the training microbatches (v5: 6.88 / 13.28 / 18.20). What limits it (Nsight Compute, 1B): too few warps to hide latency (the
+    1B), 50% / 49% / 54% of copy bandwidth; v7b: 2.14 / 3.65 / 8.38 ms, and 6.76 / 11.59 / 15.84 ms at the
+    training microbatches (v5: 6.88 / 13.28 / 18.20); v8c (this file): 6.40 / 11.04 / 15.93 ms at the training
+    microbatches (the 100M one with the configs tuned for v8c; Table 5 shapes: 1.94 / 3.27 / 9.03 ms). What limits it (Nsight Compute, 1B): too few warps to hide latency (the
     site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the
     gather's per-pair scalar loads of all H heads in every head's program (4H loads and H exps per pair and
     token: 83% of L1 throughput at 1B). v6 gave one gather program a token block with every head: 1.7-2.6x
@@ -83,10 +85,16 @@ CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3), "p
 # 350M 4 x 1024, 1B 2 x 1024) with --tune-train on an H200 (results/kernel/routing_v7_tune_train_h200.txt),
 # which can differ from the Table 5 shapes' best; kernels not listed use CONFIG. Other widths use CONFIG.
 SHAPE_CONFIG = {   # (the tuned gather at 512 / 1280 and pairs everywhere equal CONFIG's)
-    (512, 4): {"site": (4096, 4, 3)},
-    (1024, 8): {"gather": (4096, 4, 4), "site": (1024, 2, 3)},
+    (512, 4): {"site": (4096, 4, 4), "fwd": (1024, 2, 4), "gather": (1024, 2, 4)},
+    (1024, 8): {"gather": (4096, 4, 4), "site": (4096, 4, 4), "fwd": (1024, 2, 3)},
     (1280, 8): {"site": (4096, 4, 4)},
 }
+# model widths (d, H) whose forward stores each (site, source) logit for the backward site pass, which then loads it
+# instead of a second dot product per source: site pass 2.54 -> 2.16 ms and 3.80 -> 3.64 ms per chain at the 100M /
+# 350M training shapes, forward +1.5% / -1%. At 1B (heads of 160 = 128 + 32 columns) both kernels ran slower
+# storing (forward +16%, site pass +8%: register pressure), so that width recomputes, as do widths not measured
+# (BENCHMARKS.md, routing v8).
+STORED_LOGITS = {(512, 4), (1024, 8)}
 # kernels that split a head whose width is not a power of two into two column parts (_split); the gather is
 # bound by its per-pair scalar loads, not by lanes, and ran 10% slower split at the 1B shape (BENCHMARKS.md)
 SPLIT = ("fwd", "site")
@@ -193,9 +201,9 @@ if triton is not None:
         return s_a, s_b, r
 
     @triton.jit
-    def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, SPLIT: tl.constexpr):
-        """_online_softmax_step over a head held as one or two column parts."""
-        m_i, l_i, scale, p = _softmax_update(m_i, l_i, r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT))
+    def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, logit, SPLIT: tl.constexpr):
+        """_online_softmax_step over a head held as one or two column parts, given the source's logit."""
+        m_i, l_i, scale, p = _softmax_update(m_i, l_i, logit)
         acc_a = acc_a * scale[:, None] + p[:, None] * s_a
         if SPLIT:
             acc_b = acc_b * scale[:, None] + p[:, None] * s_b
@@ -210,13 +218,15 @@ if triton is not None:
         W,      # [N, DM] fp32 w = q*g; row j-1 is written here (read again by the backward gathers)
         OUT,    # [M, DM] routed output, activation dtype
         LSE,    # [N, H, M] fp32 log-sum-exp of the logits; row j-1 is written here
+        LG,     # [P, H, M] fp32 per-pair logits; pairs (j, 0..j-1) are written here when STORE_LOGITS (training)
         M, j, eps,
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, STORE_LOGITS: tl.constexpr,
     ):
         SPLIT: tl.constexpr = BLOCK_B > 0
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         slot = (j - 1).to(tl.int64) * M * DM
+        pair0 = j * (j - 1) // 2   # pair (j, n) of head h: LG + ((pair0 + n) * H + h) * M
 
         # RMS factor of the newest source over the full width (every head program needs it)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
@@ -248,13 +258,20 @@ if triton is not None:
         # online softmax over the older sources, then the newest one from registers
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
+        # (the logits are kept for the backward site pass, which then needs neither w nor a second dot product)
         for n in tl.range(0, j - 1, num_stages=STAGES):
             s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
-            m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, SPLIT)
+            logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
+            if STORE_LOGITS:
+                tl.store(LG + ((pair0 + n) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
+            m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, logit, SPLIT)
         # (the newest source stays in its 16-bit dtype until here: in fp32 across the loop it costs the 1B shape
         # ~10 registers per thread, one fewer program per SM, and 50% more forward time)
-        m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a.to(tl.float32), new_b.to(tl.float32), r_new,
-                                           w_a, w_b, SPLIT)
+        new_a, new_b = new_a.to(tl.float32), new_b.to(tl.float32)
+        logit = r_new * _dot2(new_a, w_a[None, :], new_b, w_b[None, :], SPLIT)
+        if STORE_LOGITS:
+            tl.store(LG + ((pair0 + j - 1) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
+        m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a, new_b, logit, SPLIT)
         tl.store(OUT + tile_a, _rounded(acc_a / l_i[:, None], OUT.dtype.element_ty), mask=mask_a)
         if SPLIT:
             tl.store(OUT + tile_b, _rounded(acc_b / l_i[:, None], OUT.dtype.element_ty), mask=mask_b)
@@ -272,12 +289,13 @@ if triton is not None:
         S, R, W, LSE,   # as in _route_fwd (read)
         GIN,            # [M, DM] upstream gradient of this site's output, contiguous
         GB,             # [N, M, DM] upstream gradients of every site; slot j-1 is written here
-        DA, LG,         # [P, H, M] fp32 per-pair <G, s_n> and logit; pairs (j, 0..j-1) written here
+        LG,             # [P, H, M] fp32 per-pair logits: read if the forward stored them, else written here
+        DA,             # [P, H, M] fp32 per-pair <G, s_n>; pairs (j, 0..j-1) written here
         C,              # [N, H, M] fp32 c = sum_n alpha da per site; row j-1 written here
         PART,           # [num_token_blocks, DM] fp32 per-program partial sums of dw
         M, j,
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
-        BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+        BLOCK_M: tl.constexpr, STAGES: tl.constexpr, LOGITS_STORED: tl.constexpr,
     ):
         SPLIT: tl.constexpr = BLOCK_B > 0
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
@@ -285,8 +303,8 @@ if triton is not None:
         part = PART + pm.to(tl.int64) * DM + h * D
         cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
         tile_b, mask_b = tile_a, mask_a
-        g_a, w_a = _grad_part(GIN, GB, W, slot, j, h, cols_a, cmask_a, mask_a, tile_a, DM, D)
-        p_a = tl.zeros((BLOCK_M, D_A), tl.float32)
+        g_a, w_a = _grad_part(GIN, GB, W, slot, j, h, cols_a, cmask_a, mask_a, tile_a, DM, D)   # (w: unused if
+        p_a = tl.zeros((BLOCK_M, D_A), tl.float32)                                               # LOGITS_STORED)
         q_a = tl.zeros((BLOCK_M, D_A), tl.float32)
         g_b, w_b, p_b, q_b = g_a, w_a, tl.zeros((1, 1), tl.float32), tl.zeros((1, 1), tl.float32)
         if SPLIT:
@@ -297,27 +315,42 @@ if triton is not None:
         site = ((j - 1) * H + h).to(tl.int64) * M + rows64
         lse = tl.load(LSE + site, mask=rmask, other=0.0)
         pair0 = j * (j - 1) // 2
+        pair = (pair0 * H + h).to(tl.int64) * M + rows64   # offsets of pair (j, 0) of head h; + n * H * M
 
         # one pass over the sources: c = sum_n alpha da, and dw = sum_n alpha r (da - c) s = P - c Q per token.
-        # dlogit = alpha (da - c) needs c, which is known only at the end: store da and the logit per pair and
-        # let the gathers rebuild alpha and dlogit (no second pass here).
+        # dlogit = alpha (da - c) needs c, which is known only at the end: store da per pair and let the pair
+        # pass form dlogit (no second pass here). c from <G, out> before the loop would need one accumulator, but
+        # out exists only rounded to 16 bits: 1.1-1.9x the reference's bf16 gradient error (BENCHMARKS.md, v8a).
         c = tl.zeros((BLOCK_M,), tl.float32)
+        # The two paths differ only in where the logit comes from; each keeps the instruction order measured best
+        # (BENCHMARKS.md, v8c / v8e): the 1B site pass is at its register limit, where an address kept live across
+        # the iteration cost it 22%.
         for n in tl.range(0, j, num_stages=STAGES):
             s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
-            logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
-            alpha = tl.exp(logit - lse)
-            da = _dot2(g_a, s_a, g_b, s_b, SPLIT)
-            c += alpha * da
-            fp = (alpha * da * r)[:, None]
-            fq = (alpha * r)[:, None]
+            if LOGITS_STORED:
+                off = pair + (n * M).to(tl.int64) * H
+                alpha = tl.exp(tl.load(LG + off, mask=rmask, other=0.0) - lse)
+                da = _dot2(g_a, s_a, g_b, s_b, SPLIT)
+                tl.store(DA + off, da, mask=rmask)
+                c += alpha * da
+                fq = (alpha * r)[:, None]
+                fp = fq * da[:, None]
+            else:
+                logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
+                alpha = tl.exp(logit - lse)
+                da = _dot2(g_a, s_a, g_b, s_b, SPLIT)
+                c += alpha * da
+                fp = (alpha * da * r)[:, None]
+                fq = (alpha * r)[:, None]
             p_a += fp * s_a
             q_a += fq * s_a
             if SPLIT:
                 p_b += fp * s_b
                 q_b += fq * s_b
-            off = ((pair0 + n) * H + h).to(tl.int64) * M + rows64
-            tl.store(DA + off, da, mask=rmask)
-            tl.store(LG + off, logit, mask=rmask)
+            if not LOGITS_STORED:
+                off = ((pair0 + n) * H + h).to(tl.int64) * M + rows64
+                tl.store(DA + off, da, mask=rmask)
+                tl.store(LG + off, logit, mask=rmask)
         tl.store(C + site, c, mask=rmask)
         tl.store(part + cols_a, tl.sum(p_a - c[:, None] * q_a, axis=0), mask=cmask_a)
         if SPLIT:
@@ -586,6 +619,7 @@ class RoutingChain:
             bm = _block_m(tile, lanes)
             self.launch[name] = ((triton.cdiv(tokens, bm) * heads,), bm, warps, stages, dict(D_A=d_a, BLOCK_B=block_b))
         self.n_blocks = triton.cdiv(tokens, self.launch["site"][1])   # token blocks of the dw partials
+        self.stored_logits = training and (d, heads) in STORED_LOGITS   # the forward writes them for the site pass
         N, M, H = n_sites, tokens, heads
         self.S = torch.empty(N, M, d, dtype=dtype, device=device)
         self.R = torch.empty(N, M, dtype=torch.float32, device=device)
@@ -594,8 +628,8 @@ class RoutingChain:
         if training:
             P = N * (N + 1) // 2
             self.GB = torch.empty(N, M, d, dtype=dtype, device=device)
-            self.DA = torch.empty(P, H, M, dtype=torch.float32, device=device)
-            self.LG = torch.empty(P, H, M, dtype=torch.float32, device=device)
+            self.DA = torch.empty(P, H, M, dtype=torch.float32, device=device)   # da, then dlogit
+            self.LG = torch.empty(P, H, M, dtype=torch.float32, device=device)   # logits (forward), then alpha
             self.C = torch.empty(N, H, M, dtype=torch.float32, device=device)
             self.KP = torch.empty(P, M, dtype=torch.float32, device=device)
             self.PART = torch.empty(self.n_blocks, d, dtype=torch.float32, device=device)
@@ -618,9 +652,10 @@ class RoutingChain:
         M, d = self.M, self.d
         out = torch.empty(M, d, dtype=self.dtype, device=new_source.device)
         grid, bm, warps, stages, parts = self.launch["fwd"]
-        _route_fwd[grid](self.S, self.R, new_source, q, g, self.W, out, self.LSE, M, j, self.eps,
-                         DM=d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
-                         BLOCK_C=min(1024, triton.next_power_of_2(d)), STAGES=stages, num_warps=warps)
+        _route_fwd[grid](self.S, self.R, new_source, q, g, self.W, out, self.LSE, self.LG if self.training else self.LSE,
+                         M, j, self.eps, DM=d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
+                         BLOCK_C=min(1024, triton.next_power_of_2(d)), STAGES=stages, STORE_LOGITS=self.stored_logits,
+                         num_warps=warps)
         self.next_fwd = j + 1
         if j == self.N:
             self.next_bwd = self.N
@@ -638,9 +673,9 @@ class RoutingChain:
         if grad_out.dtype != self.dtype or not grad_out.is_contiguous():
             grad_out = grad_out.to(self.dtype).contiguous()
         grid, bm, warps, stages, parts = self.launch["site"]
-        _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.DA, self.LG, self.C, self.PART,
+        _route_bwd_site[grid](self.S, self.R, self.W, self.LSE, grad_out, self.GB, self.LG, self.DA, self.C, self.PART,
                               M, j, DM=d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
-                              STAGES=stages, num_warps=warps)
+                              STAGES=stages, LOGITS_STORED=self.stored_logits, num_warps=warps)
         grid, bm, warps, _, parts = self.launch["pairs"]
         _route_bwd_pairs[grid + (j,)](self.LSE, self.C, self.DA, self.LG, self.KP, M, j, H=self.H, **parts,
                                       BLOCK_M=bm, num_warps=warps)
@@ -875,11 +910,13 @@ def main(argv):
     _write_rows(rows, copy_bw)
 
 
-def tune_configs(kernels, shapes, per_shape, device):
+TUNE_CANDIDATES = [(1024, 2, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4),
+                   (16384, 8, 3)]
+
+
+def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES):
     """Coordinate descent over each kernel's (tile, warps, stages) on GPU time (graph replay): the best geometric
     mean over the shapes into CONFIG, or (per_shape) the best at each shape into SHAPE_CONFIG[(d, H)]."""
-    candidates = [(1024, 2, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4),
-                  (16384, 8, 3)]
     for group in ([[s] for s in shapes] if per_shape else [shapes]):
         table = SHAPE_CONFIG.setdefault(tuple(group[0][2:4]), {}) if per_shape else CONFIG
         for kernel in kernels:

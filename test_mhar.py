@@ -487,6 +487,18 @@ def test_fused_routing_no_kernel_split(dtype, monkeypatch):
     check_fused_chain(4, 2, 19, 112, 4, dtype)
 
 
+@pytest.mark.parametrize("d", [96, 112])   # 112: heads of 28 as two column parts (16 + 12)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_stored_logits(d, dtype, monkeypatch):
+    """Widths in STORED_LOGITS: the forward stores every (site, source) logit and the backward site pass loads it
+    (other widths, as in the tests above, recompute it there)."""
+    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
+    monkeypatch.setattr(rk, "STORED_LOGITS", {(d, 4)})
+    assert rk.RoutingChain(3, 10, d, 4, 1e-6, torch.float32, DEVICE, training=True).stored_logits
+    assert not rk.RoutingChain(3, 10, d, 4, 1e-6, torch.float32, DEVICE, training=False).stored_logits
+    check_fused_chain(5, 2, 19, d, 4, dtype)
+
+
 def test_fused_routing_shape_config(monkeypatch):
     """A model width's own configs (SHAPE_CONFIG, from --tune-train) replace CONFIG's for that width only."""
     monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
