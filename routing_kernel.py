@@ -53,8 +53,8 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
     100M (d512, N25, 4096 tokens): 4.1 GB -> 0.98 ms at the H200's measured 4.18 TB/s copy bandwidth.
     Measured (BENCHMARKS.md), v5: 1.96 / 3.79 / 9.46 ms GPU time at the paper's Table 5 shapes (100M / 350M /
     1B), 50% / 49% / 54% of copy bandwidth; v7b: 2.14 / 3.65 / 8.38 ms, and 6.76 / 11.59 / 15.84 ms at the
-    training microbatches (v5: 6.88 / 13.28 / 18.20); v8c (this file): 6.40 / 11.04 / 15.93 ms at the training
-    microbatches (the 100M one with the configs tuned for v8c; Table 5 shapes: 1.94 / 3.27 / 9.03 ms). What limits it (Nsight Compute, 1B): too few warps to hide latency (the
+    training microbatches (v5: 6.88 / 13.28 / 18.20); v8 (this file): 6.38 / 11.02 / 15.82 ms at the training
+    microbatches and 1.92 / 3.28 / 8.39 ms at the Table 5 shapes. What limits it (Nsight Compute, 1B): too few warps to hide latency (the
     site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the
     gather's per-pair scalar loads of all H heads in every head's program (4H loads and H exps per pair and
     token: 83% of L1 throughput at 1B). v6 gave one gather program a token block with every head: 1.7-2.6x
