@@ -1153,6 +1153,26 @@ def test_probe_kl_maps_and_plots(eval_ckpt, eval_root, tmp_path):
     assert os.path.getsize(tmp_path / "c.png") > 1000
 
 
+def test_logits_beside_a_loss_are_detached():
+    """model(idx, targets) returns the logits detached (the loss carries the gradient), so a compiled head never
+    fills a zero gradient for the whole (B, T, vocab) logits in backward; model(idx) keeps them differentiable."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=64, ffn_hidden=128, block_size=32, vocab_size=500))
+    idx = torch.randint(0, 500, (2, 32))
+    logits, loss = model(idx, idx)
+    assert loss.requires_grad and not logits.requires_grad
+    assert model(idx)[0].requires_grad
+    model.compile_sublayers()
+    for _ in range(2):   # compile, then a clean step
+        model(idx, idx)[1].backward()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        model(idx, idx)[1].backward()
+    fills = [e.input_shapes for e in prof.key_averages(group_by_input_shape=True)
+             if e.key in ("aten::zero_", "aten::fill_", "aten::zeros") and [2, 32, 500] in e.input_shapes]
+    assert not fills, f"a (B, T, vocab) fill in the compiled step: {fills}"
+
+
 def test_bench_smoke(tmp_path):
     """bench.py end to end on a tiny shape: every variant runs, the JSON holds the table's fields."""
     out = str(tmp_path / "bench.json")
