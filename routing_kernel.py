@@ -82,9 +82,10 @@ except ImportError:  # the model falls back to the reference routing (model.py p
 # the best at all three training shapes with --tune-train when its programs still looped over the sources.
 CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3), "pairs": (1024, 2, 3)}
 # per model width (d, H): configs measured at that model's training microbatch (paper Table 1: 100M 8 x 2048,
-# 350M 4 x 1024, 1B 2 x 1024) with --tune-train on an H200 (results/kernel/routing_v7_tune_train_h200.txt),
-# which can differ from the Table 5 shapes' best; kernels not listed use CONFIG. Other widths use CONFIG.
-SHAPE_CONFIG = {   # (the tuned gather at 512 / 1280 and pairs everywhere equal CONFIG's)
+# 350M 4 x 1024, 1B 2 x 1024) on an H200, which can differ from the Table 5 shapes' best; kernels not listed use
+# CONFIG, as do other widths. --tune-train of v7 (results/kernel/routing_v7_tune_train_h200.txt): 1B, the 350M gather;
+# of v8b (routing_v8b_tune_train_h200.txt): 350M site, fwd; the extended tune of v8c (routing_v8c_tune_100m_h200.txt): 100M.
+SHAPE_CONFIG = {
     (512, 4): {"site": (4096, 4, 4), "fwd": (1024, 2, 4), "gather": (1024, 2, 4)},
     (1024, 8): {"gather": (4096, 4, 4), "site": (4096, 4, 4), "fwd": (1024, 2, 3)},
     (1280, 8): {"site": (4096, 4, 4)},
@@ -921,7 +922,12 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES)
         table = SHAPE_CONFIG.setdefault(tuple(group[0][2:4]), {}) if per_shape else CONFIG
         for kernel in kernels:
             results = []
+            seen = set()
             for cand in candidates:
+                key = cand[:2] if kernel == "pairs" else cand   # the pair pass has no loop: stages change nothing
+                if key in seen:
+                    continue
+                seen.add(key)
                 table[kernel] = cand
                 try:
                     times = [time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0]
