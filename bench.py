@@ -117,7 +117,7 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     tok_s = B * T / step_s
     name = torch.cuda.get_device_name(device) if cuda else None
     row = dict(scale=scale, variant=variant, cuda_graph=graphed is not None, micro_batch=B, seq_len=T, tok_s=tok_s,
-               step_ms=1e3 * step_s, step_ms_min=1e3 * min(times),
+               step_ms=1e3 * step_s, step_ms_min=1e3 * min(times), step_ms_each=[round(1e3 * t, 3) for t in times],
                mfu=model.estimate_mfu(tok_s, name, T),
                peak_gb=(torch.cuda.max_memory_allocated(device) - held) / 1e9 if cuda else None,
                reserved_gb=torch.cuda.max_memory_reserved(device) / 1e9 if cuda else None,
