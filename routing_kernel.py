@@ -29,7 +29,8 @@ known, so the gradient of s_{j-1} is gathered there once, completely, and return
                                        the head sum dlogit * logit that K needs (one scalar per pair)
     backward, gather  (_route_bwd_gather): read s_{j-1} once and G_{j'} of every site j' >= j once, with
                                        3 scalars per pair (its head's alpha and dlogit, the pair's K
-                                       term); write ds_{j-1}; its first token block also reduces dq, dg
+                                       term); write ds_{j-1}; its first token blocks also reduce dq, dg
+                                       (two levels, the last to finish sums the first level's rows)
 Deterministic: no atomics; dw is reduced from per-program partials in a fixed order.
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets):
@@ -53,8 +54,10 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
     100M (d512, N25, 4096 tokens): 4.1 GB -> 0.98 ms at the H200's measured 4.18 TB/s copy bandwidth.
     Measured (BENCHMARKS.md), v5: 1.96 / 3.79 / 9.46 ms GPU time at the paper's Table 5 shapes (100M / 350M /
     1B), 50% / 49% / 54% of copy bandwidth; v7b: 2.14 / 3.65 / 8.38 ms, and 6.76 / 11.59 / 15.84 ms at the
-    training microbatches (v5: 6.88 / 13.28 / 18.20); v8 (this file): 6.38 / 11.02 / 15.82 ms at the training
-    microbatches and 1.92 / 3.28 / 8.39 ms at the Table 5 shapes. What limits it (Nsight Compute, 1B): too few warps to hide latency (the
+    training microbatches (v5: 6.88 / 13.28 / 18.20); v8: 6.38 / 11.02 / 15.82 ms at the training
+    microbatches and 1.92 / 3.28 / 8.39 ms at the Table 5 shapes; v13 (this file): 6.08 / 10.86 / 15.83 ms and
+    1.87 / 3.29 / 8.39 ms. Per site (100M training shape, v8): each kernel costs ~4 us per source it reads, i.e.
+    copy bandwidth, plus ~26-30 us fixed (its O(d) reads and writes, at a fraction of that bandwidth). What limits it (Nsight Compute, 1B): too few warps to hide latency (the
     site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the
     gather's per-pair scalar loads of all H heads in every head's program (4H loads and H exps per pair and
     token: 83% of L1 throughput at 1B). v6 gave one gather program a token block with every head: 1.7-2.6x
@@ -84,10 +87,12 @@ CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3), "p
 # per model width (d, H): configs measured at that model's training microbatch (paper Table 1: 100M 8 x 2048,
 # 350M 4 x 1024, 1B 2 x 1024) on an H200, which can differ from the Table 5 shapes' best; kernels not listed use
 # CONFIG, as do other widths. --tune-train of v7 (results/kernel/routing_v7_tune_train_h200.txt): 1B, the 350M gather;
-# of v8b (routing_v8b_tune_train_h200.txt): 350M site, fwd; the extended tune of v8c (routing_v8c_tune_100m_h200.txt): 100M.
+# of v8b (routing_v8b_tune_train_h200.txt): 350M fwd; the extended tune of v8c (routing_v8c_tune_100m_h200.txt): 100M
+# fwd, gather; the site pass at 100M / 350M: v13's A/B (chain_v13_h200.txt; small tiles pay off once the gather
+# reduces their many dw partials in parallel).
 SHAPE_CONFIG = {
-    (512, 4): {"site": (4096, 4, 4), "fwd": (1024, 2, 4), "gather": (1024, 2, 4)},
-    (1024, 8): {"gather": (4096, 4, 4), "site": (4096, 4, 4), "fwd": (1024, 2, 3)},
+    (512, 4): {"site": (512, 1, 3), "fwd": (1024, 2, 4), "gather": (1024, 2, 4)},
+    (1024, 8): {"gather": (4096, 4, 4), "site": (512, 1, 3), "fwd": (1024, 2, 3)},
     (1280, 8): {"site": (4096, 4, 4)},
 }
 # model widths (d, H) whose forward stores each (site, source) logit for the backward site pass, which then loads it
@@ -102,6 +107,13 @@ SPLIT = ("fwd", "site")
 # the delta-mode kernels (_delta_fwd, _delta_bwd_site, _delta_bwd_sources): measured at the 8B shape
 # (d 4096, H 8, 2 x 4096 tokens): a site tile of 16384 made the 64 calls 72.2 ms against 65.7 ms with 8192
 DELTA_CONFIG = {"fwd": (4096, 4, 4), "site": (8192, 8, 3), "sources": (1024, 2, 3)}
+# programs per head that share the first level of the gather's dw reduction (_route_bwd_gather): with one, the 100M
+# chain took 9.8 ms at its site tile of 512 (4096 partial rows summed by one program per head), 6.58 ms with 4 and
+# 6.08-6.14 ms with 16 (results/kernel/chain_v13_reduce_split_h200.txt)
+REDUCE_SPLIT = 16
+# widths whose gather keeps one reducer (the first token block sums every partial, no ticket code compiled in): at
+# 1B (128 partial rows) the two-level code cost the chain 0.8% whatever the split; one reducer matches v8
+SINGLE_REDUCER = {(1280, 8)}
 # tokens per program at most; Triton's CPU interpreter runs programs one by one, so it gets big blocks
 MAX_BLOCK_M = 256 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 
@@ -358,15 +370,21 @@ if triton is not None:
             tl.store(part + cols_b, tl.sum(p_b - c[:, None] * q_b, axis=0), mask=cmask_b)
 
     @triton.jit
-    def _reduce_dqg(PART, Q, G, DQG, h, cols, cmask, n_blocks, DM: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-        """dw on columns `cols` of head h from the per-token-block partials, in a fixed order; dq = dw g, dg = dw q."""
+    def _sum_rows(PART, lo, hi, h, cols, cmask, DM: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                  CACHE: tl.constexpr):
+        """Rows [lo, hi) of a [rows, DM] fp32 matrix summed in a fixed order, on columns `cols` of head h."""
         RB: tl.constexpr = 16
-        dw = tl.zeros((BLOCK,), tl.float32)
-        for b0 in range(0, n_blocks, RB):
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for b0 in range(lo, hi, RB):
             b = b0 + tl.arange(0, RB)
             part = tl.load(PART + b.to(tl.int64)[:, None] * DM + h * D + cols[None, :],
-                           mask=(b[:, None] < n_blocks) & cmask[None, :], other=0.0)
-            dw += tl.sum(part, axis=0)
+                           mask=(b[:, None] < hi) & cmask[None, :], other=0.0, cache_modifier=CACHE)
+            acc += tl.sum(part, axis=0)
+        return acc
+
+    @triton.jit
+    def _store_dqg(dw, Q, G, DQG, h, cols, cmask, DM: tl.constexpr, D: tl.constexpr):
+        """dq = dw g, dg = dw q on columns `cols` of head h."""
         q = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
         g = tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(DQG + h * D + cols, dw * g, mask=cmask)
@@ -400,17 +418,20 @@ if triton is not None:
         tl.store(DA + off, dlogit, mask=mask)
         tl.store(KP + pair * M + rows64, tl.sum(dlogit * lg, axis=0), mask=rmask)
 
-    @triton.jit(do_not_specialize=["j", "n_sites", "n_blocks"])
+    @triton.jit(do_not_specialize=["j", "n_sites", "n_blocks", "K"])
     def _route_bwd_gather(
         S, R, W, GB, PART,                   # as above (read)
+        PART2,                               # [K, DM] fp32 second-level dw partials (written, then read)
+        TICKET,                              # [H] int32 per-head count of finished first-level reductions (0 between
+                                             # launches: the last program resets it)
         DL, AL,                              # [P, H, M] fp32 per-pair dlogit and alpha (the pair pass's output)
         KP,                                  # [P, M] fp32 sum_h dlogit * logit per pair
         Q, G,                                # [DM] this site's query and key gain
         DS,                                  # [M, DM] gradient of source n = j-1, activation dtype
         DQG,                                 # [2, DM] fp32 gradients of q and g of this site
-        M, j, n_sites, n_blocks, inv_dm,
+        M, j, n_sites, n_blocks, K, inv_dm,
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
-        BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+        BLOCK_M: tl.constexpr, STAGES: tl.constexpr, TWO_LEVEL: tl.constexpr,
     ):
         SPLIT: tl.constexpr = BLOCK_B > 0
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
@@ -446,11 +467,35 @@ if triton is not None:
             s_b = tl.load(S + src + tile_b, mask=mask_b, other=0.0).to(tl.float32)
             tl.store(DS + tile_b, _rounded(acc_b + r[:, None] * u_b - rk * s_b, DS.dtype.element_ty), mask=mask_b)
 
-        # the first token block also reduces this site's dw partials: dq = dw g, dg = dw q
-        if pm == 0:
-            _reduce_dqg(PART, Q, G, DQG, h, cols_a, cmask_a, n_blocks, DM, D, D_A)
+        # this site's dw from the site pass's n_blocks partials, in two levels and a fixed order (deterministic):
+        # the first K token blocks each sum a contiguous chunk of them into PART2[pm]; the last of a head's K programs
+        # to finish (a ticket per head) sums PART2's K rows in order and writes dq = dw g, dg = dw q. One program
+        # summing all n_blocks rows alone was the tail of the short gathers, and made small site-pass tiles slow.
+        if not TWO_LEVEL:   # K = 1: the first token block sums them all (no ticket)
+            if pm == 0:
+                _store_dqg(_sum_rows(PART, 0, n_blocks, h, cols_a, cmask_a, DM, D, D_A, ""), Q, G, DQG, h, cols_a, cmask_a,
+                           DM, D)
+                if SPLIT:
+                    _store_dqg(_sum_rows(PART, 0, n_blocks, h, cols_b, cmask_b, DM, D, BLOCK_B, ""), Q, G, DQG, h, cols_b,
+                               cmask_b, DM, D)
+        elif pm < K:
+            chunk = tl.cdiv(n_blocks, K)
+            lo = pm * chunk
+            hi = tl.minimum(lo + chunk, n_blocks)
+            tl.store(PART2 + pm * DM + h * D + cols_a, _sum_rows(PART, lo, hi, h, cols_a, cmask_a, DM, D, D_A, ""),
+                     mask=cmask_a)
             if SPLIT:
-                _reduce_dqg(PART, Q, G, DQG, h, cols_b, cmask_b, n_blocks, DM, D, BLOCK_B)
+                tl.store(PART2 + pm * DM + h * D + cols_b,
+                         _sum_rows(PART, lo, hi, h, cols_b, cmask_b, DM, D, BLOCK_B, ""), mask=cmask_b)
+            tl.debug_barrier()   # every thread's stores issued before the (releasing) ticket
+            if tl.atomic_add(TICKET + h, 1, sem="acq_rel") == K - 1:
+                # (.cg: read past this SM's L1, which may hold PART2 lines of an earlier site)
+                _store_dqg(_sum_rows(PART2, 0, K, h, cols_a, cmask_a, DM, D, D_A, ".cg"), Q, G, DQG, h, cols_a, cmask_a,
+                           DM, D)
+                if SPLIT:
+                    _store_dqg(_sum_rows(PART2, 0, K, h, cols_b, cmask_b, DM, D, BLOCK_B, ".cg"), Q, G, DQG, h, cols_b,
+                               cmask_b, DM, D)
+                tl.atomic_xchg(TICKET + h, 0)
 
     # ---- per-call routing for delta mode (SPEC section 5): a few sources, no chain state --------------
     # Sources of a call: the site's null vector (broadcast over tokens) first, then the stacked history
@@ -634,6 +679,11 @@ class RoutingChain:
             self.C = torch.empty(N, H, M, dtype=torch.float32, device=device)
             self.KP = torch.empty(P, M, dtype=torch.float32, device=device)
             self.PART = torch.empty(self.n_blocks, d, dtype=torch.float32, device=device)
+            # the gather's first-level dw reducers: at most REDUCE_SPLIT programs per head, each over >= 1 partial row
+            split = 1 if (d, heads) in SINGLE_REDUCER else REDUCE_SPLIT
+            self.K = max(1, min(split, self.n_blocks, self.launch["gather"][0][0] // heads))
+            self.PART2 = torch.empty(self.K, d, dtype=torch.float32, device=device)
+            self.TICKET = torch.zeros(heads, dtype=torch.int32, device=device)
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
     def matches(self, n_sites, tokens, d, heads, dtype, device):
@@ -683,9 +733,9 @@ class RoutingChain:
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
         dqg = torch.empty(2, d, dtype=torch.float32, device=grad_out.device)
         grid, bm, warps, stages, parts = self.launch["gather"]
-        _route_bwd_gather[grid](self.S, self.R, self.W, self.GB, self.PART, self.DA, self.LG, self.KP, q, g,
-                                ds, dqg, M, j, self.N, self.n_blocks, 1.0 / d, DM=d, H=self.H, D=self.D,
-                                **parts, BLOCK_M=bm, STAGES=stages, num_warps=warps)
+        _route_bwd_gather[grid](self.S, self.R, self.W, self.GB, self.PART, self.PART2, self.TICKET, self.DA, self.LG,
+                                self.KP, q, g, ds, dqg, M, j, self.N, self.n_blocks, self.K, 1.0 / d, DM=d, H=self.H, D=self.D,
+                                **parts, BLOCK_M=bm, STAGES=stages, TWO_LEVEL=self.K > 1, num_warps=warps)
         self.next_bwd = j - 1
         return ds, dqg[0].to(q.dtype), dqg[1].to(g.dtype)
 

@@ -510,6 +510,24 @@ def test_fused_routing_shape_config(monkeypatch):
     check_fused_chain(5, 1, 33, 96, 4, torch.float32)
 
 
+@pytest.mark.parametrize("split", [1, 3, 4])   # 74 tokens, 16 per block: 5 partial rows in chunks of 5, 2 + 2 + 1, 2 + 2 + 1 + 0
+def test_fused_routing_dw_reduction_split(split, monkeypatch):
+    """The gather reduces the site pass's dw partials in two levels (REDUCE_SPLIT first-level programs per head, the
+    last to finish sums their rows): any split, chunks uneven or empty, gives the reference's dq and dg, and the
+    per-head tickets are back at 0 after every launch."""
+    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
+    monkeypatch.setattr(rk, "REDUCE_SPLIT", split)
+    check_fused_chain(5, 2, 37, 96, 4, torch.float32)
+    chain = rk.RoutingChain(5, 74, 96, 4, 1e-6, torch.float32, DEVICE, training=True)
+    assert chain.K == split and chain.n_blocks == 5
+    s0 = torch.randn(2, 37, 96, device=DEVICE, requires_grad=True)
+    q = [torch.randn(96, device=DEVICE, requires_grad=True) for _ in range(5)]
+    g = [torch.ones(96, device=DEVICE, requires_grad=True) for _ in range(5)]
+    out = rk._chain(lambda j, x, qq, gg: rk.FusedRouter.route(chain, j + 1, x, qq, gg), s0, q, g, lambda j, x: torch.tanh(x))
+    out.sum().backward()
+    assert chain.TICKET.tolist() == [0] * 4
+
+
 def check_fused_chain(N, B, T, d, H, dtype):
     gen = torch.Generator().manual_seed(N * 1000 + T)
     src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
