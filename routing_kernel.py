@@ -31,7 +31,8 @@ known, so the gradient of s_{j-1} is gathered there once, completely, and return
                                        3 scalars per pair (its head's alpha and dlogit, the pair's K
                                        term); write ds_{j-1}; its first token blocks also reduce dq, dg
                                        (two levels, the last to finish sums the first level's rows)
-Deterministic: no atomics; dw is reduced from per-program partials in a fixed order.
+Deterministic: dw is reduced from per-program partials in a fixed order (the gather's one atomic, a ticket, only
+picks which program runs the last, fixed-order sum); nothing else is accumulated across programs.
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets):
     S   [N, M, d]  sources, activation dtype      R   [N, M]     fp32 RMS factors
@@ -57,8 +58,8 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
     training microbatches (v5: 6.88 / 13.28 / 18.20); v8: 6.38 / 11.02 / 15.82 ms at the training
     microbatches and 1.92 / 3.28 / 8.39 ms at the Table 5 shapes; v13 (this file): 6.08 / 10.86 / 15.83 ms and
     1.87 / 3.29 / 8.39 ms. Per site (100M training shape, v8): each kernel costs ~4 us per source it reads, i.e.
-    copy bandwidth, plus ~26-30 us fixed (its O(d) reads and writes, at a fraction of that bandwidth). What limits it (Nsight Compute, 1B): too few warps to hide latency (the
-    site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the
+    copy bandwidth, plus ~26-30 us fixed (its O(d) reads and writes, at a fraction of that bandwidth).
+    What limits it (Nsight Compute, 1B): too few warps to hide latency (the site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the
     gather's per-pair scalar loads of all H heads in every head's program (4H loads and H exps per pair and
     token: 83% of L1 throughput at 1B). v6 gave one gather program a token block with every head: 1.7-2.6x
     slower (1.3-1.5x at its best tile; not profiled, BENCHMARKS.md). v7 keeps per-head gather programs and
@@ -473,11 +474,11 @@ if triton is not None:
         # summing all n_blocks rows alone was the tail of the short gathers, and made small site-pass tiles slow.
         if not TWO_LEVEL:   # K = 1: the first token block sums them all (no ticket)
             if pm == 0:
-                _store_dqg(_sum_rows(PART, 0, n_blocks, h, cols_a, cmask_a, DM, D, D_A, ""), Q, G, DQG, h, cols_a, cmask_a,
-                           DM, D)
+                dw_a = _sum_rows(PART, 0, n_blocks, h, cols_a, cmask_a, DM, D, D_A, "")
+                _store_dqg(dw_a, Q, G, DQG, h, cols_a, cmask_a, DM, D)
                 if SPLIT:
-                    _store_dqg(_sum_rows(PART, 0, n_blocks, h, cols_b, cmask_b, DM, D, BLOCK_B, ""), Q, G, DQG, h, cols_b,
-                               cmask_b, DM, D)
+                    dw_b = _sum_rows(PART, 0, n_blocks, h, cols_b, cmask_b, DM, D, BLOCK_B, "")
+                    _store_dqg(dw_b, Q, G, DQG, h, cols_b, cmask_b, DM, D)
         elif pm < K:
             chunk = tl.cdiv(n_blocks, K)
             lo = pm * chunk
@@ -489,13 +490,13 @@ if triton is not None:
                          _sum_rows(PART, lo, hi, h, cols_b, cmask_b, DM, D, BLOCK_B, ""), mask=cmask_b)
             tl.debug_barrier()   # every thread's stores issued before the (releasing) ticket
             if tl.atomic_add(TICKET + h, 1, sem="acq_rel") == K - 1:
-                # (.cg: read past this SM's L1, which may hold PART2 lines of an earlier site)
-                _store_dqg(_sum_rows(PART2, 0, K, h, cols_a, cmask_a, DM, D, D_A, ".cg"), Q, G, DQG, h, cols_a, cmask_a,
-                           DM, D)
+                # (.cg: the other programs' rows are read at L2, where their stores went, not through this SM's L1)
+                dw_a = _sum_rows(PART2, 0, K, h, cols_a, cmask_a, DM, D, D_A, ".cg")
+                _store_dqg(dw_a, Q, G, DQG, h, cols_a, cmask_a, DM, D)
                 if SPLIT:
-                    _store_dqg(_sum_rows(PART2, 0, K, h, cols_b, cmask_b, DM, D, BLOCK_B, ".cg"), Q, G, DQG, h, cols_b,
-                               cmask_b, DM, D)
-                tl.atomic_xchg(TICKET + h, 0)
+                    dw_b = _sum_rows(PART2, 0, K, h, cols_b, cmask_b, DM, D, BLOCK_B, ".cg")
+                    _store_dqg(dw_b, Q, G, DQG, h, cols_b, cmask_b, DM, D)
+                tl.atomic_xchg(TICKET + h, 0)   # ready for the next site's gather
 
     # ---- per-call routing for delta mode (SPEC section 5): a few sources, no chain state --------------
     # Sources of a call: the site's null vector (broadcast over tokens) first, then the stacked history
@@ -734,8 +735,8 @@ class RoutingChain:
         dqg = torch.empty(2, d, dtype=torch.float32, device=grad_out.device)
         grid, bm, warps, stages, parts = self.launch["gather"]
         _route_bwd_gather[grid](self.S, self.R, self.W, self.GB, self.PART, self.PART2, self.TICKET, self.DA, self.LG,
-                                self.KP, q, g, ds, dqg, M, j, self.N, self.n_blocks, self.K, 1.0 / d, DM=d, H=self.H, D=self.D,
-                                **parts, BLOCK_M=bm, STAGES=stages, TWO_LEVEL=self.K > 1, num_warps=warps)
+                                self.KP, q, g, ds, dqg, M, j, self.N, self.n_blocks, self.K, 1.0 / d, DM=d, H=self.H,
+                                D=self.D, **parts, BLOCK_M=bm, STAGES=stages, TWO_LEVEL=self.K > 1, num_warps=warps)
         self.next_bwd = j - 1
         return ds, dqg[0].to(q.dtype), dqg[1].to(g.dtype)
 
