@@ -59,8 +59,8 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
     microbatches and 1.92 / 3.28 / 8.39 ms at the Table 5 shapes; v13 (this file): 6.08 / 10.86 / 15.83 ms and
     1.87 / 3.29 / 8.39 ms. Per site (100M training shape, v8): each kernel costs ~4 us per source it reads, i.e.
     copy bandwidth, plus ~26-30 us fixed (its O(d) reads and writes, at a fraction of that bandwidth).
-    What limits it (Nsight Compute, 1B): too few warps to hide latency (the site pass needs ~250 registers per thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the
-    gather's per-pair scalar loads of all H heads in every head's program (4H loads and H exps per pair and
+    What limits it (Nsight Compute, 1B): too few warps to hide latency (the site pass needs ~250 registers per
+    thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the gather's per-pair scalar loads of all H heads in every head's program (4H loads and H exps per pair and
     token: 83% of L1 throughput at 1B). v6 gave one gather program a token block with every head: 1.7-2.6x
     slower (1.3-1.5x at its best tile; not profiled, BENCHMARKS.md). v7 keeps per-head gather programs and
     moves the all-heads work to the small pair pass, once per pair: the gather loads 3 scalars per pair.
@@ -962,8 +962,10 @@ def main(argv):
     _write_rows(rows, copy_bw)
 
 
-TUNE_CANDIDATES = [(1024, 2, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4),
-                   (16384, 8, 3)]
+# every config in CONFIG and SHAPE_CONFIG is a candidate, so --tune / --tune-train can find them again: (512, 1, 3) is
+# the site pass's tile at 100M / 350M since v13 (chain_v13_h200.txt), (1024, 2, 4) v8c's 100M fwd and gather
+TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3),
+                   (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
 
 
 def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES):

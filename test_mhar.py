@@ -510,6 +510,12 @@ def test_fused_routing_shape_config(monkeypatch):
     check_fused_chain(5, 1, 33, 96, 4, torch.float32)
 
 
+def test_tune_candidates_cover_the_configs():
+    """--tune / --tune-train can find every config main ships (else a retune silently drops a measured best)."""
+    used = set(rk.CONFIG.values()) | {cfg for width in rk.SHAPE_CONFIG.values() for cfg in width.values()}
+    assert used <= set(rk.TUNE_CANDIDATES), used - set(rk.TUNE_CANDIDATES)
+
+
 @pytest.mark.parametrize("split", [1, 3, 4])   # 74 tokens, 16 per block: 5 partial rows in chunks of 5, 2 + 2 + 1, 2 + 2 + 1 + 0
 def test_fused_routing_dw_reduction_split(split, monkeypatch):
     """The gather reduces the site pass's dw partials in two levels (REDUCE_SPLIT first-level programs per head, the
