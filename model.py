@@ -472,9 +472,10 @@ class GPT(nn.Module):
             sites = self.routing_sites()
             x = x.to(self._act_dtype(x))
             chain = self._router.start(x)
-            h = FusedRouter.route(chain, 1, x, sites[0].q, sites[0].g)
+            qg = [(site.q, site.g) for site in sites] + [(None, None)]   # site j also gets site j+1's (see route)
+            h = FusedRouter.route(chain, 1, x, *qg[0], *qg[1])
             for j, sub in enumerate(subs, start=2):
-                h = FusedRouter.route(chain, j, self._run(sub, h, cos, sin), sites[j - 1].q, sites[j - 1].g)
+                h = FusedRouter.route(chain, j, self._run(sub, h, cos, sin), *qg[j - 1], *qg[j])
             x = h
         else:
             sources = [x.to(self._act_dtype(x))]                     # depth history, each (B, T, d)

@@ -31,6 +31,11 @@ known, so the gradient of s_{j-1} is gathered there once, completely, and return
                                        3 scalars per pair (its head's alpha and dlogit, the pair's K
                                        term); write ds_{j-1}; its first token blocks also reduce dq, dg
                                        (two levels, the last to finish sums the first level's rows)
+Neighbouring sites share reads (v14, ahead_schedule): a leading forward also runs site j+1's online softmax over
+s_0..s_{j-1}, one load of each tile serving both queries, and leaves its state (max, denominator, unnormalised
+fp32 mix) for site j+1's launch, which adds only s_j; a leading gather also sums source j-2's terms over the
+gradients G_j..G_N it loads anyway, and site j-1's gather adds only G_{j-1}. The forward does the same operations
+in the same order as one launch per site (bitwise the same output).
 Deterministic: dw is reduced from per-program partials in a fixed order (the gather's one atomic, a ticket, only
 picks which program runs the last, fixed-order sum); nothing else is accumulated across programs.
 
@@ -40,6 +45,7 @@ Layouts (M = B*T tokens, row-major, 64-bit offsets):
     GB  [N, M, d]  upstream gradients, act. dtype  C   [N, H, M]  fp32 c per site
     DA, LG [P, H, M] fp32 per-pair da and logit (after the pair pass: dlogit and alpha), pair (j, n) at
                    j(j-1)/2 + n, P = N(N+1)/2          KP  [P, M]     fp32 sum_h dlogit * logit per pair
+    PACC [M, d], PML [2, H, M], PK [M]  fp32 the one partial a leading launch hands the next (forward, then gather)
 Dtypes: sources and gradients bf16 / fp16 / fp32; every reduction and the softmax in fp32.
 Envelope: d % H == 0, D = d/H >= 16 (any D: the forward and the site pass hold a head as two power-of-two
 column parts, D = 160 as 128 + 32, so a width that is a sum of two powers of two has no padded lanes); any number of
@@ -53,12 +59,15 @@ Cost model (bytes per (source, site) pair and channel; P = N(N+1)/2 pairs per to
  => ~6 P d bytes per token (plus O(N d) for writing sources, outputs and gradients), against ~14 for a
     kernel that reads twice in backward and read-modify-writes an fp32 gradient buffer per pair.
     100M (d512, N25, 4096 tokens): 4.1 GB -> 0.98 ms at the H200's measured 4.18 TB/s copy bandwidth.
+    Shared reads (v14) take the forward's 2 bytes toward ~1 (a follower reads 1 source and an fp32 partial, ~4
+    sources' bytes written and read, instead of j + 1), and the gather's likewise where its pairing pays.
     Measured (BENCHMARKS.md), v5: 1.96 / 3.79 / 9.46 ms GPU time at the paper's Table 5 shapes (100M / 350M /
     1B), 50% / 49% / 54% of copy bandwidth; v7b: 2.14 / 3.65 / 8.38 ms, and 6.76 / 11.59 / 15.84 ms at the
     training microbatches (v5: 6.88 / 13.28 / 18.20); v8: 6.38 / 11.02 / 15.82 ms at the training
-    microbatches and 1.92 / 3.28 / 8.39 ms at the Table 5 shapes; v13 (this file): 6.08 / 10.86 / 15.83 ms and
-    1.87 / 3.29 / 8.39 ms. Per site (100M training shape, v8): each kernel costs ~4 us per source it reads, i.e.
-    copy bandwidth, plus ~26-30 us fixed (its O(d) reads and writes, at a fraction of that bandwidth).
+    microbatches and 1.92 / 3.28 / 8.39 ms at the Table 5 shapes; v13: 6.08 / 10.86 / 15.83 ms and
+    1.87 / 3.29 / 8.39 ms; v14 (this file): 5.84-5.91 / 9.44 / 14.65 ms and 1.75 / 2.93 / 7.77 ms. Per site
+    (100M training shape, v8): each kernel costs ~4 us per source it reads, i.e. copy bandwidth, plus ~26-30 us
+    fixed (its O(d) reads and writes, at a fraction of that bandwidth).
     What limits it (Nsight Compute, 1B): too few warps to hide latency (the site pass needs ~250 registers per
     thread for its two fp32 accumulators: 8 warps per SM), and, up to v5, the gather's per-pair scalar loads of all H heads in every head's program (4H loads and H exps per pair and
     token: 83% of L1 throughput at 1B). v6 gave one gather program a token block with every head: 1.7-2.6x
@@ -90,11 +99,15 @@ CONFIG = {"fwd": (4096, 4, 4), "site": (16384, 8, 3), "gather": (1024, 2, 3), "p
 # CONFIG, as do other widths. --tune-train of v7 (results/kernel/routing_v7_tune_train_h200.txt): 1B, the 350M gather;
 # of v8b (routing_v8b_tune_train_h200.txt): 350M fwd; the extended tune of v8c (routing_v8c_tune_100m_h200.txt): 100M
 # fwd, gather; the site pass at 100M / 350M: v13's A/B (chain_v13_h200.txt; small tiles pay off once the gather
-# reduces their many dw partials in parallel).
+# reduces their many dw partials in parallel). "fwd_lead" / "gather_lead": the launches that also do the next site's
+# share (AHEAD_MIN; default: the kernel's own config), None where pairing did not pay; --tune-train of v14
+# (routing_v14_tune_lead_*_h200.txt): at 100M the paired gather was no faster (5.85 ms unpaired, 5.85 at best paired).
 SHAPE_CONFIG = {
-    (512, 4): {"site": (512, 1, 3), "fwd": (1024, 2, 4), "gather": (1024, 2, 4)},
-    (1024, 8): {"gather": (4096, 4, 4), "site": (512, 1, 3), "fwd": (1024, 2, 3)},
-    (1280, 8): {"site": (4096, 4, 4)},
+    (512, 4): {"site": (512, 1, 3), "fwd": (1024, 2, 4), "gather": (1024, 2, 4),
+               "fwd_lead": (1024, 2, 3), "gather_lead": None},
+    (1024, 8): {"gather": (4096, 4, 4), "site": (512, 1, 3), "fwd": (1024, 2, 3),
+                "fwd_lead": (512, 1, 3), "gather_lead": (4096, 4, 4)},
+    (1280, 8): {"site": (4096, 4, 4), "fwd_lead": (512, 1, 3), "gather_lead": (1024, 2, 4)},
 }
 # model widths (d, H) whose forward stores each (site, source) logit for the backward site pass, which then loads it
 # instead of a second dot product per source: site pass 2.54 -> 2.16 ms and 3.80 -> 3.64 ms per chain at the 100M /
@@ -115,6 +128,13 @@ REDUCE_SPLIT = 16
 # widths whose gather keeps one reducer (the first token block sums every partial, no ticket code compiled in): at
 # 1B (128 partial rows) the two-level code cost the chain 0.8% whatever the split; one reducer matches v8
 SINGLE_REDUCER = {(1280, 8)}
+# v14: neighbouring sites share reads. A site's forward may also run the next site's softmax over the sources both
+# read (the next launch then reads 1 source, not j + 1), and a site's gather may also sum the previous source's terms
+# over the gradients both read (the next gather then reads 1 gradient, not N - j + 2). Each pairing writes an fp32
+# [M, d] partial that the follower reads back, ~4 sources' worth of 16-bit bytes, so a site leads only when it reads
+# at least AHEAD_MIN tiles per token; pairs are taken where they save most (forward: down from the last site, gather:
+# up from the first source). None: no pairing.
+AHEAD_MIN = 6
 # tokens per program at most; Triton's CPU interpreter runs programs one by one, so it gets big blocks
 MAX_BLOCK_M = 256 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 
@@ -233,10 +253,18 @@ if triton is not None:
         OUT,    # [M, DM] routed output, activation dtype
         LSE,    # [N, H, M] fp32 log-sum-exp of the logits; row j-1 is written here
         LG,     # [P, H, M] fp32 per-pair logits; pairs (j, 0..j-1) are written here when STORE_LOGITS (training)
+        Q2, G2, # [DM] the next site's query and key gain (read if LEAD)
+        PACC,   # [M, DM] fp32 the next site's unnormalised mix over s_0..s_{j-1} (written if LEAD, read if FOLLOW)
+        PML,    # [2, H, M] fp32 its running max and denominator (same)
         M, j, eps,
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, STORE_LOGITS: tl.constexpr,
+        LEAD: tl.constexpr, FOLLOW: tl.constexpr,
     ):
+        # LEAD: site j also runs site j+1's online softmax over the sources both read (s_0..s_{j-1}), one load of each
+        # tile serving both queries, and leaves its state (max, denominator, unnormalised mix) in PML / PACC.
+        # FOLLOW (site j-1 led): resume that state and add only the newest source. The same operations in the same
+        # order as one launch over all j sources, so the result is identical; site j reads 1 source instead of j.
         SPLIT: tl.constexpr = BLOCK_B > 0
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         slot = (j - 1).to(tl.int64) * M * DM
@@ -272,13 +300,35 @@ if triton is not None:
         # online softmax over the older sources, then the newest one from registers
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
+        ml = (h * M).to(tl.int64) + rows64   # this head's rows of PML
+        if FOLLOW:   # s_0..s_{j-2}: mixed by site j-1's launch
+            m_i = tl.load(PML + ml, mask=rmask, other=float("-inf"))
+            l_i = tl.load(PML + H * M + ml, mask=rmask, other=0.0)
+            acc_a = tl.load(PACC + tile_a, mask=mask_a, other=0.0)
+            if SPLIT:
+                acc_b = tl.load(PACC + tile_b, mask=mask_b, other=0.0)
+        # the next site's state (placeholders unless LEAD)
+        m2, l2, acc2_a, acc2_b, w2_a, w2_b = m_i, l_i, acc_a, acc_b, w_a, w_b
+        pair1 = pair0 + j   # pair (j+1, n) at pair1 + n
+        if LEAD:
+            w2_a = _head_w(Q2, G2, h, cols_a, cmask_a, D)
+            acc2_a = tl.zeros((BLOCK_M, D_A), tl.float32)
+            if SPLIT:
+                w2_b = _head_w(Q2, G2, h, cols_b, cmask_b, D)
+                acc2_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
         # (the logits are kept for the backward site pass, which then needs neither w nor a second dot product)
-        for n in tl.range(0, j - 1, num_stages=STAGES):
-            s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
-            logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
-            if STORE_LOGITS:
-                tl.store(LG + ((pair0 + n) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
-            m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, logit, SPLIT)
+        if not FOLLOW:
+            for n in tl.range(0, j - 1, num_stages=STAGES):
+                s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
+                logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
+                if STORE_LOGITS:
+                    tl.store(LG + ((pair0 + n) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
+                m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, logit, SPLIT)
+                if LEAD:
+                    logit = r * _dot2(s_a, w2_a[None, :], s_b, w2_b[None, :], SPLIT)
+                    if STORE_LOGITS:
+                        tl.store(LG + ((pair1 + n) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
+                    m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, s_a, s_b, logit, SPLIT)
         # (the newest source stays in its 16-bit dtype until here: in fp32 across the loop it costs the 1B shape
         # ~10 registers per thread, one fewer program per SM, and 50% more forward time)
         new_a, new_b = new_a.to(tl.float32), new_b.to(tl.float32)
@@ -286,6 +336,16 @@ if triton is not None:
         if STORE_LOGITS:
             tl.store(LG + ((pair0 + j - 1) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
         m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a, new_b, logit, SPLIT)
+        if LEAD:
+            logit = r_new * _dot2(new_a, w2_a[None, :], new_b, w2_b[None, :], SPLIT)
+            if STORE_LOGITS:
+                tl.store(LG + ((pair1 + j - 1) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
+            m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, new_a, new_b, logit, SPLIT)
+            tl.store(PML + ml, m2, mask=rmask)
+            tl.store(PML + H * M + ml, l2, mask=rmask)
+            tl.store(PACC + tile_a, acc2_a, mask=mask_a)
+            if SPLIT:
+                tl.store(PACC + tile_b, acc2_b, mask=mask_b)
         tl.store(OUT + tile_a, _rounded(acc_a / l_i[:, None], OUT.dtype.element_ty), mask=mask_a)
         if SPLIT:
             tl.store(OUT + tile_b, _rounded(acc_b / l_i[:, None], OUT.dtype.element_ty), mask=mask_b)
@@ -430,18 +490,25 @@ if triton is not None:
         Q, G,                                # [DM] this site's query and key gain
         DS,                                  # [M, DM] gradient of source n = j-1, activation dtype
         DQG,                                 # [2, DM] fp32 gradients of q and g of this site
+        PACC,                                # [M, DM] fp32 source n-1's sum over sites j..N (written if LEAD, read
+        PK,                                  # [M] fp32 and its K over them                  by site j-1 if FOLLOW)
         M, j, n_sites, n_blocks, K, inv_dm,
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
         BLOCK_M: tl.constexpr, STAGES: tl.constexpr, TWO_LEVEL: tl.constexpr,
+        LEAD: tl.constexpr, FOLLOW: tl.constexpr,
     ):
+        # LEAD: one load of each gradient tile G_j' (j' = j..N) serves source n = j-1 and source n-1, whose sum over
+        # those sites (alpha G + r dlogit w, and K) is left in PACC / PK. FOLLOW (site j+1 led): start from that sum
+        # and read only this site's G_j. Source n-1's gather then reads 1 gradient instead of N - j + 2.
         SPLIT: tl.constexpr = BLOCK_B > 0
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         n = j - 1
         src = (n * M).to(tl.int64) * DM
         r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
         cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
+        tile_b, mask_b = tile_a, mask_a
         s_a = tl.load(S + src + tile_a, mask=mask_a, other=0.0).to(tl.float32)
-        acc_a = tl.zeros((BLOCK_M, D_A), tl.float32)     # sum_j' alpha_j'[n] G_j'
+        acc_a = tl.zeros((BLOCK_M, D_A), tl.float32)     # sum_j' alpha_j'[n] G_j'  (+ r u of sites j+1..N if FOLLOW)
         u_a = tl.zeros((BLOCK_M, D_A), tl.float32)       # sum_j' dlogit_j'[n] w_j'
         acc_b, u_b = tl.zeros((1, 1), tl.float32), tl.zeros((1, 1), tl.float32)
         if SPLIT:
@@ -449,7 +516,18 @@ if triton is not None:
             acc_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
             u_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
         k = tl.zeros((BLOCK_M,), tl.float32)             # sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
-        for jp in tl.range(j, n_sites + 1, num_stages=STAGES):   # every site that reads source n
+        last = n_sites
+        if FOLLOW:
+            acc_a = tl.load(PACC + tile_a, mask=mask_a, other=0.0)
+            if SPLIT:
+                acc_b = tl.load(PACC + tile_b, mask=mask_b, other=0.0)
+            k = tl.load(PK + rows64, mask=rmask, other=0.0)
+            last = j
+        acc2_a, u2_a, acc2_b, u2_b, k2 = acc_a, u_a, acc_b, u_b, k   # source n-1's sums (placeholders unless LEAD)
+        if LEAD:
+            acc2_a, u2_a, k2 = tl.zeros_like(acc_a), tl.zeros_like(u_a), tl.zeros_like(k)
+            acc2_b, u2_b = tl.zeros_like(acc_b), tl.zeros_like(u_b)
+        for jp in tl.range(j, last + 1, num_stages=STAGES):   # every site that reads source n
             pair = (jp * (jp - 1) // 2 + n).to(tl.int64)
             own = (pair * H + h) * M + rows64
             a_h = tl.load(AL + own, mask=rmask, other=0.0)[:, None]
@@ -457,11 +535,31 @@ if triton is not None:
             k += tl.load(KP + pair * M + rows64, mask=rmask, other=0.0)
             gbase = ((jp - 1) * M).to(tl.int64) * DM
             wbase = (jp - 1) * DM + h * D
-            acc_a += a_h * tl.load(GB + gbase + tile_a, mask=mask_a, other=0.0).to(tl.float32)
-            u_a += dl_h * tl.load(W + wbase + cols_a, mask=cmask_a, other=0.0)[None, :]
+            g_a = tl.load(GB + gbase + tile_a, mask=mask_a, other=0.0).to(tl.float32)
+            w_a = tl.load(W + wbase + cols_a, mask=cmask_a, other=0.0)[None, :]
+            acc_a += a_h * g_a
+            u_a += dl_h * w_a
+            g_b, w_b = g_a, w_a
             if SPLIT:
-                acc_b += a_h * tl.load(GB + gbase + tile_b, mask=mask_b, other=0.0).to(tl.float32)
-                u_b += dl_h * tl.load(W + wbase + cols_b, mask=cmask_b, other=0.0)[None, :]
+                g_b = tl.load(GB + gbase + tile_b, mask=mask_b, other=0.0).to(tl.float32)
+                w_b = tl.load(W + wbase + cols_b, mask=cmask_b, other=0.0)[None, :]
+                acc_b += a_h * g_b
+                u_b += dl_h * w_b
+            if LEAD:   # pair (jp, n-1) sits just before pair (jp, n)
+                a_h = tl.load(AL + own - H * M, mask=rmask, other=0.0)[:, None]
+                dl_h = tl.load(DL + own - H * M, mask=rmask, other=0.0)[:, None]
+                k2 += tl.load(KP + (pair - 1) * M + rows64, mask=rmask, other=0.0)
+                acc2_a += a_h * g_a
+                u2_a += dl_h * w_a
+                if SPLIT:
+                    acc2_b += a_h * g_b
+                    u2_b += dl_h * w_b
+        if LEAD:
+            r2 = tl.load(R + ((n - 1) * M).to(tl.int64) + rows64, mask=rmask, other=0.0)[:, None]
+            tl.store(PACC + tile_a, acc2_a + r2 * u2_a, mask=mask_a)
+            if SPLIT:
+                tl.store(PACC + tile_b, acc2_b + r2 * u2_b, mask=mask_b)
+            tl.store(PK + rows64, k2, mask=rmask & ((rows64 * 0 + h) == 0))   # one head writes K (the same in all)
         rk = (r * r * k * inv_dm)[:, None]
         tl.store(DS + tile_a, _rounded(acc_a + r[:, None] * u_a - rk * s_a, DS.dtype.element_ty), mask=mask_a)
         if SPLIT:
@@ -632,6 +730,17 @@ def _split(D, split=True):
     return p, b, p + b
 
 
+def ahead_schedule(N, least=None):
+    """Leading sites (forward, gather): forward site j mixes site j+1's older sources, gather j sums source j-2's
+    gradients; site j reads j sources forward and N - j + 1 gradients in the gather."""
+    least = AHEAD_MIN if least is None else least
+    if least is None:
+        return frozenset(), frozenset()
+    fwd = frozenset(j for j in range(N - 1, 0, -2) if j >= least)
+    gather = frozenset(j for j in range(2, N + 1, 2) if N - j + 1 >= least)
+    return fwd, gather
+
+
 def check_envelope(d, heads, dtype):
     """Raise a ValueError naming the limit when the fused kernels cannot take this shape."""
     if d % heads:
@@ -655,14 +764,19 @@ class RoutingChain:
         self.N, self.M, self.d, self.H, self.D, self.eps = n_sites, tokens, d, heads, d // heads, eps
         self.dtype, self.device, self.training = dtype, device, training
         self.launch = {}   # kernel -> (grid, BLOCK_M, num_warps, stages, column or head constexprs)
-        for name in CONFIG:
-            tile, warps, stages = SHAPE_CONFIG.get((d, heads), {}).get(name, CONFIG[name])
+        own = SHAPE_CONFIG.get((d, heads), {})
+        for name in list(CONFIG) + ["fwd_lead", "gather_lead"]:
+            base = name.removesuffix("_lead")
+            if name in own and own[name] is None:   # this width does not pair sites in that kernel
+                self.launch[name] = None
+                continue
+            tile, warps, stages = own.get(name) or own.get(base) or CONFIG[base]
             if name == "pairs":   # a program per token block and source (the grid's second axis), every head
                 block_h = triton.next_power_of_2(heads)
                 bm = min(1024, triton.next_power_of_2(max(1, tile // block_h)))
                 self.launch[name] = ((triton.cdiv(tokens, bm),), bm, warps, stages, dict(BLOCK_H=block_h))
                 continue
-            d_a, block_b, lanes = _split(self.D, split=name in SPLIT)
+            d_a, block_b, lanes = _split(self.D, split=base in SPLIT)
             bm = _block_m(tile, lanes)
             self.launch[name] = ((triton.cdiv(tokens, bm) * heads,), bm, warps, stages, dict(D_A=d_a, BLOCK_B=block_b))
         self.n_blocks = triton.cdiv(tokens, self.launch["site"][1])   # token blocks of the dw partials
@@ -682,9 +796,22 @@ class RoutingChain:
             self.PART = torch.empty(self.n_blocks, d, dtype=torch.float32, device=device)
             # the gather's first-level dw reducers: at most REDUCE_SPLIT programs per head, each over >= 1 partial row
             split = 1 if (d, heads) in SINGLE_REDUCER else REDUCE_SPLIT
-            self.K = max(1, min(split, self.n_blocks, self.launch["gather"][0][0] // heads))
+            gathers = [self.launch[k][0][0] // heads for k in ("gather", "gather_lead") if self.launch[k]]
+            self.K = max(1, min(split, self.n_blocks, *gathers))
             self.PART2 = torch.empty(self.K, d, dtype=torch.float32, device=device)
             self.TICKET = torch.zeros(heads, dtype=torch.int32, device=device)
+        self.fwd_lead, self.gather_lead = ahead_schedule(N)
+        if self.launch["fwd_lead"] is None:
+            self.fwd_lead = frozenset()
+        if self.launch["gather_lead"] is None or not training:
+            self.gather_lead = frozenset()
+        if self.fwd_lead or self.gather_lead:   # one partial at a time: the forward's is used up before the backward
+            self.PACC = torch.empty(M, d, dtype=torch.float32, device=device)
+            self.PML = torch.empty(2, H, M, dtype=torch.float32, device=device)
+            self.PK = torch.empty(M, dtype=torch.float32, device=device)
+        else:
+            self.PACC = self.PML = self.PK = self.R   # unused placeholders
+        self.following = False   # the previous launch (forward: site j-1; backward: gather j+1) led this one
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
     def matches(self, n_sites, tokens, d, heads, dtype, device):
@@ -694,7 +821,7 @@ class RoutingChain:
         """True while a forward's graph is alive and its backward has not finished."""
         return self.sentinel is not None and self.sentinel() is not None and self.next_bwd != 0
 
-    def forward_site(self, j, new_source, q, g):
+    def forward_site(self, j, new_source, q, g, q_next=None, g_next=None):
         if self.next_bwd is not None:
             raise RuntimeError(
                 f"fused routing: site {j} ran forward after this pass's forward had finished (its backward is pending "
@@ -703,14 +830,16 @@ class RoutingChain:
             raise RuntimeError(f"fused routing: site {j} ran forward, expected site {self.next_fwd} (sites run 1..N in order)")
         M, d = self.M, self.d
         out = torch.empty(M, d, dtype=self.dtype, device=new_source.device)
-        grid, bm, warps, stages, parts = self.launch["fwd"]
+        lead = j in self.fwd_lead and q_next is not None and not self.following
+        grid, bm, warps, stages, parts = self.launch["fwd_lead" if lead else "fwd"]
         _route_fwd[grid](self.S, self.R, new_source, q, g, self.W, out, self.LSE, self.LG if self.training else self.LSE,
+                         q_next if lead else q, g_next if lead else g, self.PACC, self.PML,
                          M, j, self.eps, DM=d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
                          BLOCK_C=min(1024, triton.next_power_of_2(d)), STAGES=stages, STORE_LOGITS=self.stored_logits,
-                         num_warps=warps)
-        self.next_fwd = j + 1
+                         LEAD=lead, FOLLOW=self.following, num_warps=warps)
+        self.next_fwd, self.following = j + 1, lead
         if j == self.N:
-            self.next_bwd = self.N
+            self.next_bwd, self.following = self.N, False
         return out
 
     def backward_site(self, j, grad_out, q, g):
@@ -733,11 +862,13 @@ class RoutingChain:
                                       BLOCK_M=bm, num_warps=warps)
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
         dqg = torch.empty(2, d, dtype=torch.float32, device=grad_out.device)
-        grid, bm, warps, stages, parts = self.launch["gather"]
+        lead = j in self.gather_lead and not self.following
+        grid, bm, warps, stages, parts = self.launch["gather_lead" if lead else "gather"]
         _route_bwd_gather[grid](self.S, self.R, self.W, self.GB, self.PART, self.PART2, self.TICKET, self.DA, self.LG,
-                                self.KP, q, g, ds, dqg, M, j, self.N, self.n_blocks, self.K, 1.0 / d, DM=d, H=self.H,
-                                D=self.D, **parts, BLOCK_M=bm, STAGES=stages, TWO_LEVEL=self.K > 1, num_warps=warps)
-        self.next_bwd = j - 1
+                                self.KP, q, g, ds, dqg, self.PACC, self.PK, M, j, self.N, self.n_blocks, self.K, 1.0 / d,
+                                DM=d, H=self.H, D=self.D, **parts, BLOCK_M=bm, STAGES=stages, TWO_LEVEL=self.K > 1,
+                                LEAD=lead, FOLLOW=self.following, num_warps=warps)
+        self.next_bwd, self.following = j - 1, lead
         return ds, dqg[0].to(q.dtype), dqg[1].to(g.dtype)
 
 
@@ -747,8 +878,8 @@ class _Sentinel:
 
 class _RouteSite(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, new_source, q, g, chain, j):
-        out = chain.forward_site(j, new_source, q, g)
+    def forward(ctx, new_source, q, g, chain, j, q_next, g_next):
+        out = chain.forward_site(j, new_source, q, g, q_next, g_next)
         ctx.chain, ctx.j = chain, j
         ctx.save_for_backward(q, g)
         if j == 1:   # the graph holds the sentinel: when the graph is freed without backward, the chain is free
@@ -760,7 +891,7 @@ class _RouteSite(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, g = ctx.saved_tensors
         ds, dq, dg = ctx.chain.backward_site(ctx.j, grad_out, q, g)
-        return ds, dq, dg, None, None
+        return ds, dq, dg, None, None, None, None
 
 
 class FusedRouter:
@@ -784,19 +915,23 @@ class FusedRouter:
         if c is None or not c.matches(self.N, B * T, d, self.H, x.dtype, x.device):
             self.chain = c = None   # free the old buffers before allocating new ones
             c = self.chain = RoutingChain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, training=True)
-        c.next_fwd, c.next_bwd, c.sentinel = 1, None, None
+        c.next_fwd, c.next_bwd, c.sentinel, c.following = 1, None, None, False
         return c
 
     @staticmethod
     @torch.compiler.disable   # opaque to torch.compile: Triton launches with side effects on the chain
-    def route(chain, j, new_source, q, g):
-        """Site j of the chain; new_source (B, T, d) is s_{j-1}; returns the routed (B, T, d) input."""
+    def route(chain, j, new_source, q, g, q_next=None, g_next=None):
+        """Site j of the chain; new_source (B, T, d) is s_{j-1}; returns the routed (B, T, d) input. q_next, g_next:
+        site j+1's query and gain, which let this launch share its reads with site j+1's (ahead_schedule); their
+        gradients come from site j+1's call."""
         B, T, d = new_source.shape
         x = new_source.to(chain.dtype).reshape(B * T, d).contiguous()
+        if q_next is not None:
+            q_next, g_next = q_next.detach(), g_next.detach()
         if chain.training and torch.is_grad_enabled():
-            out = _RouteSite.apply(x, q, g, chain, j)
+            out = _RouteSite.apply(x, q, g, chain, j, q_next, g_next)
         else:
-            out = chain.forward_site(j, x, q, g)
+            out = chain.forward_site(j, x, q, g, q_next, g_next)
         return out.view(B, T, d)
 
 
@@ -873,7 +1008,7 @@ def _chain(route_site, source0, qs, gs, sublayer):
     """N routing sites; source j = sublayer(j, output of site j), like a model with its sublayers."""
     x = source0
     for j in range(len(qs)):
-        x = route_site(j, x, qs[j], gs[j])
+        x = route_site(j, x, qs[j], gs[j], *((qs[j + 1], gs[j + 1]) if j + 1 < len(qs) else (None, None)))
         if j < len(qs) - 1:
             x = sublayer(j, x)
     return x
@@ -882,7 +1017,7 @@ def _chain(route_site, source0, qs, gs, sublayer):
 def _reference_site(model_route):
     hist = []
 
-    def site(j, x, q, g):
+    def site(j, x, q, g, *_):
         if j == 0:
             hist.clear()
         hist.append(x)
@@ -926,9 +1061,11 @@ def main(argv):
     tune = [a for a in argv if a.startswith("--tune")]
     if tune:   # --tune[=KERNELS]: Table 5 shapes -> CONFIG; --tune-train[=KERNELS]: each training shape -> SHAPE_CONFIG
         per_shape = tune[0].startswith("--tune-train")
-        kernels = tune[0].split("=", 1)[1].split(",") if "=" in tune[0] else ("site", "gather", "fwd", "pairs")
-        if any(k not in CONFIG for k in kernels):
-            sys.exit(f"routing_kernel.py: --tune=KERNEL[,KERNEL]: one of {', '.join(CONFIG)}")
+        lead = ("fwd_lead", "gather_lead") if per_shape else ()   # a width's own choice (None: no pairing there)
+        kernels = tune[0].split("=", 1)[1].split(",") if "=" in tune[0] else ("site", "gather", "fwd", "pairs") + lead
+        if any(k not in tuple(CONFIG) + lead for k in kernels):
+            sys.exit(f"routing_kernel.py: --tune=KERNEL[,KERNEL]: one of {', '.join(tuple(CONFIG) + lead)} (the _lead "
+                     "kernels with --tune-train)")
         tune_configs(kernels, [s for s in shapes if s[0].endswith("train")] if per_shape else shapes[:3], per_shape, device)
     if "--cpu-profile" in argv:   # where the eager chain's host time goes (100M shape)
         from torch.profiler import ProfilerActivity, profile
@@ -976,7 +1113,7 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES)
         for kernel in kernels:
             results = []
             seen = set()
-            for cand in candidates:
+            for cand in candidates + ([None] if kernel.endswith("_lead") else []):
                 key = cand[:2] if kernel == "pairs" else cand   # the pair pass has no loop: stages change nothing
                 if key in seen:
                     continue
@@ -986,13 +1123,17 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES)
                     times = [time_chain("fused", 2 * L + 1, B, T, d, H, device, None, graph=True)[0]
                              for _, L, d, H, B, T in group]
                 except Exception as e:   # e.g. out of shared memory or registers: skip the candidate
-                    print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: failed: {str(e)[:200]}")
+                    print(f"tune {kernel:6s} {_cand_name(cand)}: failed: {str(e)[:200]}")
                     continue
-                results.append((math.prod(times) ** (1 / len(times)), cand, times))
-                print(f"tune {kernel:6s} tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}: "
+                results.append((math.prod(times) ** (1 / len(times)), str(cand), cand, times))
+                print(f"tune {kernel:6s} {_cand_name(cand)}: "
                       + " | ".join(f"{s[0]} {t:6.2f} ms" for s, t in zip(group, times)), flush=True)
-            table[kernel] = min(results)[1]
+            table[kernel] = min(results)[2]
     print("tuned", "SHAPE_CONFIG =" if per_shape else "CONFIG =", SHAPE_CONFIG if per_shape else CONFIG, flush=True)
+
+
+def _cand_name(cand):
+    return "no pairing           " if cand is None else f"tile {cand[0]:5d} warps {cand[1]} stages {cand[2]}"
 
 
 def _write_rows(rows, copy_bw):
@@ -1086,7 +1227,7 @@ def check_against_reference(N, B, T, d, H, dtype, device):
         if impl == "fused":
             router = FusedRouter(N, H, 1e-6)
             chain = router.start(s0)
-            out = _chain(lambda j, x, qq, gg: FusedRouter.route(chain, j + 1, x, qq, gg), s0, q, g, sublayer)
+            out = _chain(lambda j, x, *qg: FusedRouter.route(chain, j + 1, x, *qg), s0, q, g, sublayer)
         else:
             out = _chain(_reference_site(lambda st, qq, gg: route_reference(st, qq, gg, H)), s0, q, g, sublayer)
         (out.float() * up.float()).sum().backward()
@@ -1126,7 +1267,8 @@ def _fused_step(N, B, T, d, H, device):
 
     def step():
         chain = router.start(src)
-        _chain(lambda j, x, q, g: FusedRouter.route(chain, j + 1, x, q, g), src, qs, gs, lambda j, x: x + shift).backward(up)
+        out = _chain(lambda j, x, *qg: FusedRouter.route(chain, j + 1, x, *qg), src, qs, gs, lambda j, x: x + shift)
+        out.backward(up)
     return step
 
 
@@ -1145,7 +1287,7 @@ def time_chain(impl, N, B, T, d, H, device, ref_compiled, graph=False):
     def step():
         if impl == "fused":
             chain = router.start(src)
-            out = _chain(lambda j, x, q, g: FusedRouter.route(chain, j + 1, x, q, g), src, qs, gs, sublayer)
+            out = _chain(lambda j, x, *qg: FusedRouter.route(chain, j + 1, x, *qg), src, qs, gs, sublayer)
         else:
             out = _chain(_reference_site(lambda st, q, g: fn(st, q, g, H)), src, qs, gs, sublayer)
         out.backward(up)

@@ -453,7 +453,7 @@ def chain_grads(impl, src0, qs, gs, shift, up, H, dtype):
     sub = lambda j, x: torch.tanh(x) + shift[j].to(x.dtype)
     if impl == "fused":
         chain = rk.FusedRouter(N, H, 1e-6).start(s0)
-        out = rk._chain(lambda j, x, qq, gg: rk.FusedRouter.route(chain, j + 1, x, qq, gg), s0, q, g, sub)
+        out = rk._chain(lambda j, x, *qg: rk.FusedRouter.route(chain, j + 1, x, *qg), s0, q, g, sub)
     else:
         out = rk._chain(rk._reference_site(lambda st, qq, gg: route_reference(st, qq, gg, H)), s0, q, g, sub)
     (out.double() * up).sum().backward()
@@ -512,7 +512,7 @@ def test_fused_routing_shape_config(monkeypatch):
 
 def test_tune_candidates_cover_the_configs():
     """--tune / --tune-train can find every config main ships (else a retune silently drops a measured best)."""
-    used = set(rk.CONFIG.values()) | {cfg for width in rk.SHAPE_CONFIG.values() for cfg in width.values()}
+    used = set(rk.CONFIG.values()) | {cfg for width in rk.SHAPE_CONFIG.values() for cfg in width.values() if cfg}
     assert used <= set(rk.TUNE_CANDIDATES), used - set(rk.TUNE_CANDIDATES)
 
 
@@ -529,9 +529,38 @@ def test_fused_routing_dw_reduction_split(split, monkeypatch):
     s0 = torch.randn(2, 37, 96, device=DEVICE, requires_grad=True)
     q = [torch.randn(96, device=DEVICE, requires_grad=True) for _ in range(5)]
     g = [torch.ones(96, device=DEVICE, requires_grad=True) for _ in range(5)]
-    out = rk._chain(lambda j, x, qq, gg: rk.FusedRouter.route(chain, j + 1, x, qq, gg), s0, q, g, lambda j, x: torch.tanh(x))
+    out = rk._chain(lambda j, x, *qg: rk.FusedRouter.route(chain, j + 1, x, *qg), s0, q, g, lambda j, x: torch.tanh(x))
     out.sum().backward()
     assert chain.TICKET.tolist() == [0] * 4
+
+
+@pytest.mark.parametrize("least", [1, 3])   # 1: every other site leads (both ways); 3: some lead, some run alone
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_shared_reads(least, dtype, monkeypatch):
+    """Neighbouring sites sharing reads (ahead_schedule): a forward that also runs the next site's softmax over the
+    older sources and one that resumes it, a gather that also sums the previous source's gradients and one that
+    starts from them; with stored logits and heads of two column parts in every kernel. The forward is the same
+    arithmetic as one launch per site, so its output is bitwise the unpaired one, in training and under no_grad."""
+    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
+    monkeypatch.setattr(rk, "STORED_LOGITS", {(112, 4)})
+    monkeypatch.setattr(rk, "SPLIT", ("fwd", "site", "gather"))
+    monkeypatch.setattr(rk, "AHEAD_MIN", least)
+    fwd, gather = rk.ahead_schedule(7)
+    assert (fwd, gather) == ({2, 4, 6}, {2, 4, 6}) if least == 1 else ({4, 6}, {2, 4})
+    check_fused_chain(7, 2, 19, 112, 4, dtype)
+    gen = torch.Generator().manual_seed(7)
+    s0 = torch.randn(2, 19, 112, generator=gen).to(DEVICE, dtype)
+    qs = [torch.randn(112, generator=gen).to(DEVICE) for _ in range(7)]
+    gs = [torch.ones(112, device=DEVICE) for _ in range(7)]
+    outs = []
+    for ahead, grad in [(least, True), (least, False), (None, True)]:
+        monkeypatch.setattr(rk, "AHEAD_MIN", ahead)
+        with torch.set_grad_enabled(grad):
+            chain = rk.FusedRouter(7, 4, 1e-6).start(s0.requires_grad_(grad))
+            outs.append(rk._chain(lambda j, x, *qg: rk.FusedRouter.route(chain, j + 1, x, *qg), s0, qs, gs,
+                                  lambda j, x: torch.tanh(x)).detach())
+        assert chain.fwd_lead == (fwd if ahead else set())
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def check_fused_chain(N, B, T, d, H, dtype):
