@@ -546,7 +546,7 @@ def test_fused_routing_shared_reads(least, dtype, monkeypatch):
     monkeypatch.setattr(rk, "SPLIT", ("fwd", "site", "gather"))
     monkeypatch.setattr(rk, "AHEAD_MIN", least)
     fwd, gather = rk.ahead_schedule(7)
-    assert (fwd, gather) == ({2, 4, 6}, {2, 4, 6}) if least == 1 else ({4, 6}, {2, 4})
+    assert (fwd, gather) == (({2, 4, 6}, {2, 4, 6}) if least == 1 else ({4, 6}, {2, 4}))
     check_fused_chain(7, 2, 19, 112, 4, dtype)
     gen = torch.Generator().manual_seed(7)
     s0 = torch.randn(2, 19, 112, generator=gen).to(DEVICE, dtype)
@@ -618,7 +618,20 @@ def tiny_pair(**kw):
 
 @pytest.mark.parametrize("mode,H", [("mhar", 2), ("attnres", None), ("mhar", 3)])
 def test_fused_model_matches_reference(mode, H):
-    ref, fused = tiny_pair(residual=mode, route_heads=H)
+    fused_model_vs_reference(residual=mode, route_heads=H)
+
+
+def test_fused_model_shared_reads(monkeypatch):
+    """model.py hands each site the next site's query and gain: with every other site leading (forward and gather),
+    the fused model still matches the reference."""
+    monkeypatch.setattr(rk, "AHEAD_MIN", 1)
+    chain = fused_model_vs_reference(residual="mhar", route_heads=2)._router.chain
+    assert chain.fwd_lead == {2, 4} and chain.gather_lead == {2, 4}   # 2 layers: 5 sites
+
+
+def fused_model_vs_reference(**kw):
+    """Logits and every parameter gradient of a tiny model, fused against reference routing; returns the fused model."""
+    ref, fused = tiny_pair(**kw)
     idx = torch.randint(0, 96, (2, 19), device=DEVICE)
     outs = []
     for m in (ref, fused):
@@ -627,6 +640,7 @@ def test_fused_model_matches_reference(mode, H):
         outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
     assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
     assert_grads_close(outs[1][1], outs[0][1])
+    return fused
 
 
 def assert_grads_close(fused, ref, tol=1e-4):
