@@ -35,7 +35,8 @@ Neighbouring sites share reads (v14, ahead_schedule): a leading forward also run
 s_0..s_{j-1}, one load of each tile serving both queries, and leaves its state (max, denominator, unnormalised
 fp32 mix) for site j+1's launch, which adds only s_j; a leading gather also sums source j-2's terms over the
 gradients G_j..G_N it loads anyway, and site j-1's gather adds only G_{j-1}. The forward does the same operations
-in the same order as one launch per site (bitwise the same output).
+in the same order as one launch per site (bitwise the same output where the leading launch's config, fwd_lead,
+lays its tiles out as the plain one's does).
 Deterministic: dw is reduced from per-program partials in a fixed order (the gather's one atomic, a ticket, only
 picks which program runs the last, fixed-order sum); nothing else is accumulated across programs.
 
@@ -264,7 +265,8 @@ if triton is not None:
         # LEAD: site j also runs site j+1's online softmax over the sources both read (s_0..s_{j-1}), one load of each
         # tile serving both queries, and leaves its state (max, denominator, unnormalised mix) in PML / PACC.
         # FOLLOW (site j-1 led): resume that state and add only the newest source. The same operations in the same
-        # order as one launch over all j sources, so the result is identical; site j reads 1 source instead of j.
+        # order as one launch over all j sources (identical results when both launches use one tile layout; a
+        # different fwd_lead config may reduce a row's dot product in another order); site j reads 1 source, not j.
         SPLIT: tl.constexpr = BLOCK_B > 0
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         slot = (j - 1).to(tl.int64) * M * DM
