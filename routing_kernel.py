@@ -236,8 +236,13 @@ if triton is not None:
         return s_a, s_b, r
 
     @triton.jit
-    def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, logit, SPLIT: tl.constexpr):
-        """_online_softmax_step over a head held as one or two column parts, given the source's logit."""
+    def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, LG, pair, h, M, rows64, rmask, H: tl.constexpr,
+                  SPLIT: tl.constexpr, STORE_LOGITS: tl.constexpr):
+        """_online_softmax_step over a head held as one or two column parts; the source's logit r <w, s> is stored as
+        pair `pair` (LG [P, H, M]) when STORE_LOGITS."""
+        logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
+        if STORE_LOGITS:
+            tl.store(LG + (pair * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
         m_i, l_i, scale, p = _softmax_update(m_i, l_i, logit)
         acc_a = acc_a * scale[:, None] + p[:, None] * s_a
         if SPLIT:
@@ -322,27 +327,19 @@ if triton is not None:
         if not FOLLOW:
             for n in tl.range(0, j - 1, num_stages=STAGES):
                 s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
-                logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
-                if STORE_LOGITS:
-                    tl.store(LG + ((pair0 + n) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
-                m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, logit, SPLIT)
+                m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, LG, pair0 + n, h, M,
+                                                   rows64, rmask, H, SPLIT, STORE_LOGITS)
                 if LEAD:
-                    logit = r * _dot2(s_a, w2_a[None, :], s_b, w2_b[None, :], SPLIT)
-                    if STORE_LOGITS:
-                        tl.store(LG + ((pair1 + n) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
-                    m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, s_a, s_b, logit, SPLIT)
+                    m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, s_a, s_b, r, w2_a, w2_b, LG, pair1 + n, h,
+                                                       M, rows64, rmask, H, SPLIT, STORE_LOGITS)
         # (the newest source stays in its 16-bit dtype until here: in fp32 across the loop it costs the 1B shape
         # ~10 registers per thread, one fewer program per SM, and 50% more forward time)
         new_a, new_b = new_a.to(tl.float32), new_b.to(tl.float32)
-        logit = r_new * _dot2(new_a, w_a[None, :], new_b, w_b[None, :], SPLIT)
-        if STORE_LOGITS:
-            tl.store(LG + ((pair0 + j - 1) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
-        m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a, new_b, logit, SPLIT)
+        m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a, new_b, r_new, w_a, w_b, LG, pair0 + j - 1, h, M,
+                                           rows64, rmask, H, SPLIT, STORE_LOGITS)
         if LEAD:
-            logit = r_new * _dot2(new_a, w2_a[None, :], new_b, w2_b[None, :], SPLIT)
-            if STORE_LOGITS:
-                tl.store(LG + ((pair1 + j - 1) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
-            m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, new_a, new_b, logit, SPLIT)
+            m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, new_a, new_b, r_new, w2_a, w2_b, LG, pair1 + j - 1,
+                                               h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
             tl.store(PML + ml, m2, mask=rmask)
             tl.store(PML + H * M + ml, l2, mask=rmask)
             tl.store(PACC + tile_a, acc2_a, mask=mask_a)
@@ -732,14 +729,13 @@ def _split(D, split=True):
     return p, b, p + b
 
 
-def ahead_schedule(N, least=None):
-    """Leading sites (forward, gather): forward site j mixes site j+1's older sources, gather j sums source j-2's
-    gradients; site j reads j sources forward and N - j + 1 gradients in the gather."""
-    least = AHEAD_MIN if least is None else least
-    if least is None:
+def ahead_schedule(N):
+    """Leading sites (forward, gather) of an N-site chain: forward site j mixes site j+1's older sources, gather j
+    sums source j-2's gradients; site j reads j sources forward and N - j + 1 gradients in the gather."""
+    if AHEAD_MIN is None:
         return frozenset(), frozenset()
-    fwd = frozenset(j for j in range(N - 1, 0, -2) if j >= least)
-    gather = frozenset(j for j in range(2, N + 1, 2) if N - j + 1 >= least)
+    fwd = frozenset(j for j in range(N - 1, 0, -2) if j >= AHEAD_MIN)
+    gather = frozenset(j for j in range(2, N + 1, 2) if N - j + 1 >= AHEAD_MIN)
     return fwd, gather
 
 
