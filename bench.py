@@ -1,5 +1,7 @@
 """
-The training step minus data and eval (nanoGPT's bench.py): tokens/s, MFU, peak memory and the routing share of
+Benchmarks, two of them.
+
+1. The training step minus data and eval (nanoGPT's bench.py): tokens/s, MFU, peak memory and the routing share of
 every residual variant at the paper's scales, in the layout of paper Tables 4 / 8 (throughput relative to our
 baseline, memory in GB). Synthetic tokens over the paper's vocabulary (151,936, Qwen3), bf16 autocast, fp32
 master weights, fused AdamW step and gradient clipping included, one microbatch per step (the paper's per-GPU
@@ -13,21 +15,31 @@ microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024), its forward and backward replayed a
 Variants (sublayers compiled in all of them when --compile): baseline; mhar_eager (reference routing, eager);
 mhar_compiled (reference routing under torch.compile); mhar_fused (routing_kernel.py); attnres_fused (single
 head, fused); hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the routing chain
-alone at the same shape (routing_kernel.time_chain; the fused chain replayed from a CUDA graph, i.e. GPU time)
-over the step time: an estimate, since in the step the chain's launches overlap the sublayers' work. Peak memory:
-the most allocated during the run, warm-up and graph capture included, above what the process held before it
-(each run starts from a garbage-collected process and a reset torch.compile cache).
+alone at the same shape (time_chain below; the fused chain replayed from a CUDA graph, i.e. GPU time) over the
+step time: an estimate, since in the step the chain's launches overlap the sublayers' work. Peak memory: the most
+allocated during the run, warm-up and graph capture included, above what the process held before it (each run
+starts from a garbage-collected process and a reset torch.compile cache).
+
+2. `python bench.py routing`: the routing chain alone (every site of a model, forward and backward, an elementwise
+sublayer between sites), fused against the reference, at the paper's Table 5 shapes and training microbatches:
+correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the 6-byte model,
+per-kernel profile; --tune / --tune-train search the launch settings (routing_kernel.RoutingConfig), --check-large
+checks offsets past 2^31 elements, --delta times the per-call kernels at an 8B delta model's shape. See
+`python bench.py routing -h`.
 """
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import sys
 import time
+from dataclasses import fields, replace
 
 import torch
 
+import routing_kernel as rk
 import train
 from model import GPT, GPTConfig, route_reference
 
@@ -55,13 +67,12 @@ def scale_config(scale, vocab):
     return dict(spec, vocab_size=vocab if scale != "tiny" else 1024), micro_batch
 
 
-def build(scale, variant, device, compile_model, vocab, chunked_ce=0):
+def build(scale, variant, device, compile_model, vocab):
     kw, B = scale_config(scale, vocab)
     v = dict(VARIANTS[variant])
     compile_routing = v.pop("compile_routing", True)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**kw, **v)).to(device)
-    model.chunked_ce = chunked_ce
     if compile_model:
         model.compile_sublayers()
         if not compile_routing:
@@ -70,8 +81,7 @@ def build(scale, variant, device, compile_model, vocab, chunked_ce=0):
     return model, opt, B
 
 
-def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profile_dir=None, chunked_ce=0,
-              cuda_graph=False):
+def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profile_dir=None, cuda_graph=False):
     cuda = device.startswith("cuda")
     torch._dynamo.reset()   # each variant compiles afresh: no recompile limits or guards shared with earlier ones
     if cuda:
@@ -79,7 +89,7 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
         torch.cuda.empty_cache()
         held = torch.cuda.memory_allocated(device)   # left by earlier runs in this process (should be ~0)
         torch.cuda.reset_peak_memory_stats(device)
-    model, opt, B = build(scale, variant, device, compile_model, vocab, chunked_ce)
+    model, opt, B = build(scale, variant, device, compile_model, vocab)
     T = model.cfg.block_size
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), generator=gen).to(device)
@@ -155,15 +165,13 @@ def routing_ms(scale, variant, device, vocab):
     v = VARIANTS[variant]
     if v["residual"] not in ("attnres", "mhar"):
         return None
-    import routing_kernel
-    if v["routing_impl"] == "fused" and not routing_kernel.available(torch.device(device)):
+    if v["routing_impl"] == "fused" and not rk.available(torch.device(device)):
         return None
     kw, B = scale_config(scale, vocab)
     H = 1 if v["residual"] == "attnres" else kw["n_kv_head"]
     impl = "fused" if v["routing_impl"] == "fused" else "compiled" if v.get("compile_routing", True) else "eager"
     ref = torch.compile(route_reference, dynamic=True) if impl == "compiled" else None
-    ms, _ = routing_kernel.time_chain(impl, 2 * kw["n_layer"] + 1, B, kw["block_size"], kw["n_embd"], H, device, ref,
-                                      graph=impl == "fused")
+    ms, _ = time_chain(impl, 2 * kw["n_layer"] + 1, B, kw["block_size"], kw["n_embd"], H, device, ref, graph=impl == "fused")
     return ms
 
 
@@ -189,6 +197,9 @@ def table(rows, scales, variants):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["routing"]:
+        return routing_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scales", default="100m,350m,1b", help=f"comma-separated subset of {','.join(SCALES)}")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
@@ -198,7 +209,6 @@ def main(argv=None):
     p.add_argument("--compile", default="True", choices=("True", "False"), help="torch.compile each sublayer")
     p.add_argument("--vocab", type=int, default=PAPER_VOCAB, help="vocabulary of the synthetic tokens (paper: 151,936)")
     p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of 3 steps per run")
-    p.add_argument("--chunked_ce", type=int, default=0, help="loss over this many tokens at a time (0: whole logits)")
     p.add_argument("--cuda_graph", default="True", choices=("True", "False"),
                    help="replay forward+backward as one CUDA graph (train.py --cuda_graph); CUDA only")
     p.add_argument("--output", default="bench.json", help="results JSON")
@@ -227,7 +237,7 @@ def main(argv=None):
             try:
                 row = bench_one(scale, variant, args.device, args.steps, args.warmup, args.compile == "True", args.vocab,
                                 os.path.join(os.path.dirname(os.path.abspath(args.output)), "traces") if args.profile else None,
-                                args.chunked_ce, args.cuda_graph == "True")
+                                args.cuda_graph == "True")
             except torch.OutOfMemoryError as e:
                 print(f"{scale:5s} {variant:14s} out of memory: {str(e).splitlines()[0]}", flush=True)
                 torch.cuda.empty_cache()
@@ -242,6 +252,302 @@ def main(argv=None):
     print(table(rows, scales, variants))
     with open(args.output, "w") as f:
         json.dump({"header": header, "args": vars(args), "rows": rows}, f, indent=1)
+    print(f"wrote {args.output}")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# 2. the routing chain alone: python bench.py routing [...]
+
+# (name, L, d, H, B, T): the paper's Table 5 shapes, then each model's training microbatch (Table 1)
+CHAIN_SHAPES = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
+                ("100M-train", 12, 512, 4, 8, 2048), ("350M-train", 24, 1024, 8, 4, 1024), ("1B-train", 36, 1280, 8, 2, 1024)]
+# every setting DEFAULT and TUNED_H200 ship is a candidate, so a retune can find them again (a test checks it)
+TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3),
+                   (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
+CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead")
+
+
+def run_chain(route_site, source0, n_sites, sublayer):
+    """n_sites routing sites, like a model's: source j = sublayer(j - 1, output of site j); route_site(j, x)."""
+    x = source0
+    for j in range(1, n_sites + 1):
+        x = route_site(j, x)
+        if j < n_sites:
+            x = sublayer(j - 1, x)
+    return x
+
+
+def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=None, seed=0):
+    """A closure running one chain forward + backward (bf16 sources, the sublayer x + shift: one add per site)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    src = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    qs = [(torch.randn(d, device=device, generator=gen) * 0.5).requires_grad_(True) for _ in range(N)]
+    gs = [torch.ones(d, device=device, requires_grad=True) for _ in range(N)]
+    up = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen)
+    shift = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen)
+    router = rk.FusedRouter(N, H, 1e-6, config)
+
+    def step():
+        if impl == "fused":
+            chain = router.start(src, qs, gs)
+            out = run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), src, N, lambda j, x: x + shift)
+        else:
+            hist = []
+            out = run_chain(lambda j, x: hist.append(x) or route_fn(torch.stack(hist), qs[j - 1], gs[j - 1], H), src, N,
+                            lambda j, x: x + shift)
+        out.backward(up)
+    step.router = router
+    return step
+
+
+def _peak_gb(step):
+    """Peak memory one call of step() allocates above what is allocated before it, in GB."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def graphed(step):
+    """step captured as one CUDA graph (after two warm-up calls on a side stream); returns the replay function."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def time_chain(impl, N, B, T, d, H, device, ref_compiled=None, graph=False, config=None):
+    """(median ms, peak GB) of one chain forward + backward: fused, compiled (ref_compiled) or eager reference.
+    graph: replay it from a CUDA graph, i.e. GPU time alone (no Python, no launch gaps)."""
+    from triton.testing import do_bench
+    step = chain_step(impl, N, B, T, d, H, device, ref_compiled if impl == "compiled" else route_reference, config)
+    step()                      # compile
+    step.router.chain = None    # measure memory from scratch: the chain's buffers count
+    mem = _peak_gb(step)
+    return do_bench(graphed(step) if graph else step, warmup=50, rep=300, return_mode="median"), mem
+
+
+def chain_grads(impl, src0, qs, gs, sublayer, up, H, config=None):
+    """A chain of len(qs) sites from src0, fused or reference: its output and every gradient of <out, up>, in float64:
+    [out, d src0, dq of every site (concatenated), dg of every site]."""
+    N = len(qs)
+    s0 = src0.clone().requires_grad_(True)
+    q = [x.clone().requires_grad_(True) for x in qs]
+    g = [x.clone().requires_grad_(True) for x in gs]
+    if impl == "fused":
+        chain = rk.FusedRouter(N, H, 1e-6, config).start(s0, q, g)
+        route = lambda j, x: chain.route(j, x, q[j - 1], g[j - 1])
+    else:
+        hist = []
+        route = lambda j, x: hist.append(x) or route_reference(torch.stack(hist), q[j - 1], g[j - 1], H)
+    out = run_chain(route, s0, N, sublayer)
+    (out.double() * up.double()).sum().backward()
+    return [out.detach().double(), s0.grad.double(), torch.cat([x.grad for x in q]).double(),
+            torch.cat([x.grad for x in g]).double()]
+
+
+def check_against_reference(N, B, T, d, H, dtype, device, config=None):
+    """Relative error of fused against reference (fp32 math in both) for out and every gradient (dq, dg: all sites
+    at once, since site 1's are 0)."""
+    gen = torch.Generator(device="cpu").manual_seed(N * 7 + d)
+    src0 = (torch.randn(B, T, d, generator=gen)).to(device=device, dtype=dtype)
+    qs = [torch.randn(d, generator=gen).to(device) * 0.5 for _ in range(N)]
+    gs = [(1 + 0.2 * torch.randn(d, generator=gen)).to(device) for _ in range(N)]
+    up = torch.randn(B, T, d, generator=gen).to(device=device, dtype=dtype)
+    shift = [torch.randn(B, T, d, generator=gen).to(device=device, dtype=dtype) for _ in range(N)]
+    sublayer = lambda j, x: torch.tanh(x) + shift[j]     # non-linear, so every gradient path matters
+    f, r = (chain_grads(impl, src0, qs, gs, sublayer, up, H, config) for impl in ("fused", "reference"))
+    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return {name: rel(a, b) for name, a, b in zip(("out", "d_source0", "dq", "dg"), f, r)}
+
+
+def check_large(device):
+    """Forward + backward over 2 sites at 2^21 tokens x d 1024 (offsets past 2^31); compare the last rows."""
+    M, d, H = 2**21, 1024, 8
+    src = torch.randn(1, M, d, device=device, dtype=torch.bfloat16)
+    q = [torch.randn(d, device=device) for _ in range(2)]
+    g = [torch.ones(d, device=device) for _ in range(2)]
+    s0 = src.clone().requires_grad_(True)
+    chain = rk.FusedRouter(2, H, 1e-6).start(s0, q, g)
+    out = chain.route(2, chain.route(1, s0, q[0], g[0]) * 0.5 + 1.0, q[1], g[1])
+    up = torch.randn_like(out)
+    out.backward(up)
+    tail = slice(M - 4096, M)   # the last rows: their offsets are beyond 2^31 elements
+    a = src[:, tail].detach().clone().requires_grad_(True)
+    ref = route_reference(torch.stack([a, a * 0.5 + 1.0]), q[1], g[1], H)
+    ref.backward(up[:, tail])
+    rel = lambda x, y: ((x.float() - y.float()).norm() / y.float().norm()).item()
+    return {"out": rel(out[:, tail], ref), "d_source0": rel(s0.grad[:, tail], a.grad)}
+
+
+def time_delta(impl, device, B=2, T=4096, d=4096, H=8, n_layer=32, num_blocks=8):
+    """All 2L delta routing calls of a forward + backward: block b's sites mix null + b + 1 history sources.
+    reference-ckpt: route_reference on the stacked sources, each call under activation checkpointing (as the
+    paper's reference), fused: routing_kernel.route_stack. Returns (median ms, peak GB above the inputs)."""
+    from triton.testing import do_bench
+    gen = torch.Generator(device=device).manual_seed(0)
+    history = [torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+               for _ in range(num_blocks)]
+    sites = [[(torch.randn(d, device=device) * 0.1).requires_grad_(True) for _ in range(3)] for _ in range(2 * n_layer)]
+    up = torch.randn(B, T, d, device=device, dtype=torch.bfloat16)
+    per_block = 2 * n_layer // num_blocks
+
+    def ref_call(stacked, null, q, g):
+        return route_reference(torch.cat([null.to(stacked.dtype).expand(1, *stacked.shape[1:]), stacked]), q, g, H)
+
+    def step():
+        total = None
+        for k, (null, q, g) in enumerate(sites):
+            if k % per_block == 0:
+                hist = torch.stack(history[: k // per_block + 1])
+                r = rk.rms_factors(hist, 1e-6) if impl == "fused" else None
+            if impl == "fused":
+                out = rk.route_stack(hist, q, g, H, 1e-6, null=null, r=r)
+            else:
+                out = torch.utils.checkpoint.checkpoint(ref_call, hist, null, q, g, use_reentrant=False)
+            total = out if total is None else total + out
+        total.backward(up)
+    step()                      # compile
+    return do_bench(step, warmup=1, rep=1, return_mode="median"), _peak_gb(step)
+
+
+def profile_chain(N, B, T, d, H, device, config=None):
+    """GPU time per kernel over one fused chain forward + backward, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+    step = chain_step("fused", N, B, T, d, H, device, config=config)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    total = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            key = next((k for k in ("_chain_fwd", "_chain_bwd_site", "_chain_bwd_pairs", "_chain_bwd_gather") if k in e.key), "other")
+            total[key] = total.get(key, 0.0) + t / 1e3
+    return {k: round(v, 3) for k, v in sorted(total.items())}
+
+
+def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES):
+    """Coordinate descent over each kernel's (tile, warps, stages) on chain GPU time (graph replay): from DEFAULT, the
+    best geometric mean over all shapes (per_shape=False); or from config_for(d, H), the best at each shape; _lead
+    kernels may also pick None (no pairing). Returns the configs and prints what changed, for RoutingConfig's
+    defaults or a TUNED_H200 entry."""
+    tuned = []
+    for group in ([[s] for s in shapes] if per_shape else [shapes]):
+        _, _, d, H, _, _ = group[0]
+        cfg = rk.config_for(d, H) if per_shape else rk.DEFAULT
+        for kernel in kernels:
+            results, seen = [], set()
+            for cand in candidates + ([None] if kernel.endswith("_lead") else []):
+                key = cand[:2] if kernel == "pairs" and cand else cand   # the pair pass has no loop: stages unused
+                if key in seen:
+                    continue
+                seen.add(key)
+                trial = replace(cfg, **{kernel: cand})
+                try:
+                    times = [time_chain("fused", 2 * L + 1, B, T, dd, HH, device, graph=True, config=trial)[0]
+                             for _, L, dd, HH, B, T in group]
+                except Exception as e:   # e.g. out of shared memory or registers: skip the candidate
+                    print(f"tune {kernel:11s} {cand}: failed: {str(e)[:200]}")
+                    continue
+                results.append((math.prod(times) ** (1 / len(times)), str(cand), cand))
+                print(f"tune {kernel:11s} {str(cand):16s} " + " | ".join(f"{s[0]} {t:6.2f} ms" for s, t in zip(group, times)),
+                      flush=True)
+            cfg = replace(cfg, **{kernel: min(results)[2]})
+        changed = {f.name: getattr(cfg, f.name) for f in fields(cfg)
+                   if f.name != "name" and getattr(cfg, f.name) != getattr(rk.DEFAULT, f.name)}
+        print(f"tuned {'(%d, %d)' % (d, H) if per_shape else 'DEFAULT'}: {changed}", flush=True)
+        tuned.append(cfg)
+    return tuned
+
+
+def routing_main(argv):
+    p = argparse.ArgumentParser(prog="bench.py routing", description="The routing chain alone (see bench.py's docstring).")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda | cpu (a check only)")
+    p.add_argument("--tune", nargs="?", const="site,gather,fwd,pairs", default=None, metavar="KERNELS",
+                   help="tune DEFAULT's settings at the Table 5 shapes (comma-separated kernels)")
+    p.add_argument("--tune-train", nargs="?", const=",".join(CHAIN_KERNELS), default=None, metavar="KERNELS",
+                   help="tune each width's settings at its training microbatch, lead kernels included")
+    p.add_argument("--check-large", action="store_true", help="also check 2^21 tokens x d 1024 (64-bit offsets)")
+    p.add_argument("--delta", action="store_true", help="time the per-call kernels at an 8B delta model's shape, then exit")
+    p.add_argument("--cpu-profile", action="store_true", help="where the eager chain's host time goes (100M shape)")
+    p.add_argument("--output", default="routing_bench.json", help="results JSON")
+    args = p.parse_args(argv)
+    device = args.device
+    if device == "cpu" and not rk.available("cpu"):
+        sys.exit("bench.py routing: no CUDA device; run with TRITON_INTERPRET=1 for Triton's CPU interpreter")
+    shapes = [(5, 1, 33, 96, 4, torch.float32)]   # correctness: an awkward shape, and the paper's on a GPU
+    if device.startswith("cuda"):
+        shapes += [(25, 2, 2048, 512, 4, torch.bfloat16), (49, 1, 1024, 1024, 8, torch.bfloat16),
+                   (73, 1, 1024, 1280, 8, torch.bfloat16)]
+    for N, B, T, d, H, dtype in shapes:
+        errs = check_against_reference(N, B, T, d, H, dtype, device)
+        print(f"check N={N} B={B} T={T} d={d} H={H} {str(dtype):15s} " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    if not device.startswith("cuda"):
+        return None
+    if args.check_large:
+        print("check 2^21 tokens:", check_large(device), flush=True)
+    from triton.testing import do_bench
+    x = torch.empty(2**28, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    copy_bw = 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6   # GB/s, read + written
+    header = (f"git {train.git_revision()} | {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
+              f"{__import__('triton').__version__} | device-to-device copy {copy_bw:.0f} GB/s")
+    print(header)
+    del x, y
+    rows = []
+    if args.delta:
+        for impl in ("fused", "reference-ckpt"):
+            t, mem = time_delta(impl, device)
+            rows.append(dict(shape="8B-delta", impl=impl, ms=t, peak_gb=mem))
+            print(f"8B delta   {impl:15s} {t:8.1f} ms  peak {mem:.2f} GB  (64 sites, H 8, 2 x 4096 tokens, d 4096)", flush=True)
+        print(f"fused is {rows[1]['ms'] / rows[0]['ms']:.2f}x faster than the checkpointed reference")
+    else:
+        if args.tune or args.tune_train:
+            per_shape = args.tune_train is not None
+            kernels = (args.tune_train if per_shape else args.tune).split(",")
+            if any(k not in CHAIN_KERNELS for k in kernels):
+                sys.exit(f"bench.py routing: --tune[-train]=KERNEL[,KERNEL]: one of {', '.join(CHAIN_KERNELS)}")
+            tune_configs(kernels, [s for s in CHAIN_SHAPES if s[0].endswith("train") == per_shape], per_shape, device)
+        if args.cpu_profile:
+            from torch.profiler import ProfilerActivity, profile
+            step = chain_step("fused", 25, 2, 2048, 512, 4, device)
+            step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+        ref_compiled = torch.compile(route_reference, dynamic=True)
+        for name, L, d, H, B, T in CHAIN_SHAPES:
+            N = 2 * L + 1
+            bytes6 = 6 * N * (N + 1) // 2 * B * T * d
+            for impl in ("fused", "fused-graph") + (() if name.endswith("train") else ("compiled", "eager")):
+                t, mem = time_chain(impl.split("-")[0], N, B, T, d, H, device, ref_compiled, graph=impl.endswith("graph"))
+                gbps = bytes6 / t / 1e6
+                rows.append(dict(shape=name, impl=impl, ms=t, gbps=gbps, copy_frac=gbps / copy_bw, peak_gb=mem))
+                print(f"{name:11s} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s (6 B/pair-elem, {100 * gbps / copy_bw:4.1f}% "
+                      f"of copy)  peak {mem:.2f} GB", flush=True)
+            if not name.endswith("train"):
+                try:
+                    print(f"{name:11s} fused kernels (profiler, ms): {profile_chain(N, B, T, d, H, device)}", flush=True)
+                except Exception as e:   # the profiler's event fields move between torch versions
+                    print(f"profiler failed: {e!r}")
+    with open(args.output, "w") as f:
+        json.dump({"header": header, "copy_gbps": copy_bw, "rows": rows}, f, indent=1)
     print(f"wrote {args.output}")
     return rows
 

@@ -1,6 +1,6 @@
 """
 Graft MHAR onto a pretrained Hugging Face Llama / Qwen3 checkpoint (the paper's mid-training setting,
-SPEC section 5): map its weights onto model.py, add the delta routing (every sublayer reads
+section 3.3 and Appendix E): map its weights onto model.py, add the delta routing (every sublayer reads
 x = P + alpha * route(null, embedding, block deltas), alpha = 0), check that the converted model is the
 pretrained one bitwise, and write a checkpoint for train.py / sample.py / eval.py.
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, route_reference
-from prepare_data import load_tokenizer
+from prepare_data import TokenData, load_tokenizer
 
 TASKS = ("wikitext2", "lambada", "hellaswag")
 LOCAL = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "lambada": "lambada/lambada_test.jsonl",
@@ -196,7 +196,7 @@ def default_block_size(model):
 
 
 # -----------------------------------------------------------------------------
-# routing probes (SPEC section 6)
+# routing probes (paper Figure 4's per-head deviations, Table 6's width-disagreement probe)
 
 @torch.no_grad()
 def probe(model, idx, slices=4, seed=0):
@@ -210,20 +210,18 @@ def probe(model, idx, slices=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     kl = {"learned": [], "null": []}
     last = {}
-    original = model._route_stack
 
-    def spy(site, stacked, routing, return_routing):   # sees every site's stacked sources (N, B, T, d)
+    def observe(site, stacked):   # sees every site's stacked sources (N, B, T, d)
         if site.heads == 1:
             for name, q in (("learned", site.q.float()), ("null", _matched_random(site.q.float(), gen))):
                 kl[name].append(slice_kl(stacked, q, site.g, slices, site.eps))
         last["sources"] = stacked
-        return original(site, stacked, routing, return_routing)
 
-    model._route_stack = spy
+    model.routing_observer = observe
     try:
         _, _, routing = model(idx, return_routing=True)
     finally:
-        del model._route_stack   # back to the class's method
+        model.routing_observer = None
     maps = [a.float().mean(dim=(1, 2)).T.cpu() for a in routing]   # site j: (H, N_j) token-averaged alpha
     s = last["sources"].float().flatten(1, 2)                        # (N, B*T, d)
     s = F.normalize(s, dim=-1)
@@ -309,7 +307,6 @@ def plot_probe(maps, probe_dir, residual):
 
 
 def run_probe(args, model, enc):
-    from train import TokenData
     T = args.block_size or default_block_size(model)
     if args.data_dir:
         meta = json.load(open(os.path.join(args.data_dir, "meta.json")))
@@ -317,7 +314,7 @@ def run_probe(args, model, enc):
         n = min(args.batch_size, data.n_seq)
         if n == 0:
             raise ValueError(f"{args.data_dir}/val.bin holds fewer than {T + 1} tokens")
-        idx = data.rows([i * T for i in range(n)])[:, :-1]
+        idx = torch.from_numpy(data.rows([i * T for i in range(n)])[:, :-1])
     else:   # the start of WikiText-2's validation split stands in for validation text
         text = load_task("wikitext2", args.data_root, wikitext_split="validation")
         toks = enc.encode_ordinary(text)[:args.batch_size * T]

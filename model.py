@@ -1,17 +1,17 @@
 """
-A Qwen3-style GPT whose residual connections are one knob: baseline, hyper-connections,
-attention residuals, or Multi-Head Attention Residuals (MHAR, arXiv 2607.27230).
+A Qwen3-style GPT whose residual connection is one knob: baseline, hyper-connections, attention residuals, or
+Multi-Head Attention Residuals (MHAR, arXiv 2607.27230).
 
-MHAR in three lines (paper, method section; ../shared/SPEC.md section 1):
-  sources s_0 = embedding, s_j = raw output of sublayer j; site j mixes s_0..s_{j-1}:
-  logit[n, h] = < q[h], g[h] * RMSNorm(s_n)[h] >,  alpha[:, h] = softmax_n(logit[:, h]),
-  out[h] = sum_n alpha[n, h] * s_n[h]     (H heads = contiguous channel slices of width d/H)
-H = 1 is attention residuals (Kimi, arXiv 2603.15031); H > 1 splits the same query, zero new parameters.
+MHAR in three lines (paper section 2.3, Eq. 3): sources s_0 = embedding, s_j = raw output of sublayer j; site j mixes
+s_0..s_{j-1} with logit[n, h] = < q[h], g[h] * RMSNorm(s_n)[h] >, alpha[:, h] = softmax_n(logit[:, h]) and
+out[h] = sum_n alpha[n, h] * s_n[h], over H heads (contiguous channel slices of width d/H).
+H = 1 is attention residuals (Kimi, arXiv 2603.15031; paper Eq. 2, Appendix B); H > 1 reshapes the same query.
 
-Where things live: GPTConfig -> RMSNorm / RoPE / Attention / MLP -> route_reference and Route (the new idea)
--> HyperConnection (the hyper-connections comparison) -> Block -> GPT (forward for every mode, optimizer,
-generation, MFU, checkpoint loading).
+Where things live: GPTConfig -> RMSNorm / RoPE / Attention / MLP -> route_reference, Route and the depth history
+(the new idea) -> HyperConnection (the comparison) -> Block -> GPT (forward for every mode, optimizer, generation,
+MFU, checkpoint loading).
 """
+import functools
 import math
 import os
 import sys
@@ -28,7 +28,7 @@ ROUTING_IMPLS = ("reference", "fused")
 @dataclass
 class GPTConfig:
     vocab_size: int = 50304        # tokenizer vocab padded up to a multiple of 128 (gpt2: 50257 -> 50304)
-    block_size: int = 1024         # longest sequence; RoPE tables are built for this many positions
+    block_size: int = 2048         # longest sequence (the training length); RoPE tables are built for it
     n_layer: int = 12              # L blocks = 2L sublayers (attention, MLP, attention, MLP, ...)
     n_head: int = 8                # query heads
     n_kv_head: int = 4             # key/value heads (grouped-query attention)
@@ -106,7 +106,7 @@ class GPTConfig:
 
 
 # -----------------------------------------------------------------------------
-# Qwen3-style building blocks (SPEC section 3)
+# Qwen3-style building blocks (paper section 3.1 and Appendix I: pre-norm, RMSNorm, SwiGLU, GQA with QK-norm, RoPE)
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -184,14 +184,14 @@ class MLP(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Routing over the depth history (the one new idea; SPEC section 1)
+# Routing over the depth history: the one new idea (paper sections 2.2-2.3, Eq. 2-3)
 #
-# Every sublayer input, and the final readout, is a learned softmax mix over all earlier sublayer
-# outputs ("sources"). Each site owns a query q (init 0) and a key-norm gain g (init 1), both (d,).
-# Keys are the RMS-normalised sources (RMS over the full width d) times g; values are the raw sources.
-# MHAR reshapes q, g and the sources into H contiguous channel slices and runs one softmax per slice,
-# so each slice of the width picks its own depth mixture. q = 0 gives the uniform mean over sources,
-# which is the additive residual stream divided by N: after the next RMSNorm, the baseline's function.
+# Every sublayer input, and the final readout, is a learned softmax mix over all earlier sublayer outputs
+# ("sources"). Each site owns a query q (init 0) and a key-norm gain g (init 1), both (d,). Keys are the
+# RMS-normalised sources (RMS over the full width d) times g; values are the raw sources. MHAR reshapes q, g and the
+# sources into H contiguous channel slices and runs one softmax per slice, so each slice of the width picks its own
+# depth mixture, with the parameters of one head (section 2.3, property i). q = 0 gives the uniform mean over the
+# sources, the additive residual stream divided by N: after the next RMSNorm, the baseline's function.
 
 def route_reference(sources, q, g, n_heads, eps=1e-6, return_alpha=False):
     """The specification of MHAR routing. sources: (N, B, T, d) -> out (B, T, d) in the sources' dtype.
@@ -207,20 +207,9 @@ def route_reference(sources, q, g, n_heads, eps=1e-6, return_alpha=False):
     return (out, alpha) if return_alpha else out
 
 
-def upgrade_state(state):
-    """A state dict (model, EMA, or an optimizer's per-parameter states) with the scalar parameters of older
-    checkpoints, 0-dim tensors, reshaped to (1,): the delta gate alpha and the hyper-connection scales s_alpha,
-    s_beta are (1,) since FSDP2 refused 0-dim parameters. AdamW's moments of those parameters were 0-dim too
-    (no other parameter is). The tensors are viewed, not copied."""
-    def fix(name, t):
-        scalar = name.endswith((".alpha", ".s_alpha", ".s_beta", "exp_avg", "exp_avg_sq"))
-        return t.reshape(1) if scalar and isinstance(t, torch.Tensor) and t.dim() == 0 else t
-    return {k: upgrade_state(v) if isinstance(v, dict) else fix(str(k), v) for k, v in state.items()}
-
-
 class Route(nn.Module):
     """One routing site: a query and a key gain over the width d, split into `heads` heads. A delta site
-    (SPEC section 5) also has a learnable null source and the scalar alpha that gates its output."""
+    (paper section 3.3) also has a learnable null source and the scalar alpha that gates its output."""
 
     def __init__(self, dim, heads, eps, delta=False):
         super().__init__()
@@ -232,8 +221,36 @@ class Route(nn.Module):
             self.alpha = nn.Parameter(torch.zeros(1))    # 0: the converted model is the pretrained one, bitwise
 
 
+class DepthHistory:
+    """The depth history of one forward pass, with its one operation: route(s) adds s as the newest source s_{j-1}
+    and returns site j's routed input. The reference implementation: a list of the sources, stacked at every site and
+    routed by route_site (route_reference through GPT._route_stack)."""
+
+    def __init__(self, sites, route_site):
+        self.sites, self.route_site = sites, route_site
+        self.sources = []   # s_0 .. s_{j-1}, each (B, T, d)
+
+    def route(self, new_source):
+        self.sources.append(new_source)
+        return self.route_site(self.sites[len(self.sources) - 1], torch.stack(self.sources))   # stacked: (j, B, T, d)
+
+
+class FusedDepthHistory:
+    """The same operation on routing_kernel.py's chain: one [N, B*T, d] buffer holds every source once, each site's
+    kernels read it in place, and the backward gathers each source's gradient once."""
+
+    def __init__(self, router, sites, first_source):
+        self.sites, self.j = sites, 0
+        self.chain = router.start(first_source, [s.q for s in sites], [s.g for s in sites])
+
+    def route(self, new_source):
+        self.j += 1
+        site = self.sites[self.j - 1]
+        return self.chain.route(self.j, new_source, site.q, site.g)
+
+
 # -----------------------------------------------------------------------------
-# Hyper-connections (Zhu et al., arXiv 2409.19606), the comparison of SPEC section 2.
+# Hyper-connections (Zhu et al., arXiv 2409.19606), the learned-residual comparison of paper Table 1.
 #
 # n residual streams H (B, T, n, d). Per sublayer a connection matrix A (n, 1+n): column 0 reads the
 # sublayer input as a weighted sum of streams, columns 1..n mix the streams; write weights beta (n,) add
@@ -290,80 +307,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
 
-PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrings of the device name
-    "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12,
-    "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12,
-}
-
-
-def ce_chunk_grad(logits, targets, token_weight, z_scale):
-    """One chunk of the chunked cross-entropy: log-sum-exp and target logit per token (fp32), and d(loss)/d(logits)
-    in the logits' dtype: (softmax - onehot(target)) * token_weight + z_scale * lse * softmax. token_weight: each
-    token's weight in the mean (0 for an ignored target, whose index is clamped to 0). A separate function so that
-    torch.compile (GPT.compile_sublayers) fuses it into a few passes over the (chunk, vocab) logits; eager, each
-    op is its own pass over an fp32 copy (the 0.52x step of BENCHMARKS.md's chunked-CE row)."""
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
-    picked = x.gather(1, targets[:, None]).squeeze(1)
-    onehot = torch.arange(x.size(1), device=x.device)[None, :] == targets[:, None]
-    g = (x - lse[:, None]).exp_().mul_((token_weight + z_scale * lse)[:, None])   # in place: eager peak memory
-    g.sub_(onehot * token_weight[:, None])
-    return lse, picked, g.to(logits.dtype)
-
-
-class _ChunkedLinearCE(torch.autograd.Function):
-    """Mean cross-entropy (+ z-loss) of x @ W^T without the (tokens, vocab) logits: chunk by chunk, forward also
-    computes the gradients (the loss ends the graph), so only dx and dW are kept for backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets, chunk, z_loss, chunk_fn):
-        n = x.size(0)
-        valid = targets != -1
-        n_valid = valid.sum().clamp_min(1)
-        w = weight.to(x.dtype)
-        loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        dx, dw = torch.empty_like(x), torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-        for i in range(0, n, chunk):
-            xc, tc, vc = x[i:i + chunk], targets[i:i + chunk], valid[i:i + chunk]
-            wv = vc / n_valid                                      # each valid token's weight in the mean
-            # (c, V) logits: the only vocab-wide tensors are these and their gradient g (no boolean indexing of
-            # the ignored targets: no host sync)
-            lse, picked, g = chunk_fn(xc @ w.t(), tc.clamp_min(0), wv, 2 * z_loss / n)
-            loss += ((lse - picked) * wv).sum() + z_loss * lse.pow(2).sum() / n
-            dx[i:i + chunk] = g @ w
-            dw += (g.t() @ xc).float()
-        ctx.save_for_backward(dx, dw)
-        ctx.weight_dtype = weight.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, gout):
-        dx, dw = ctx.saved_tensors
-        return dx * gout.to(dx.dtype), (dw * gout).to(ctx.weight_dtype), None, None, None, None
-
-
-@torch.compiler.disable   # a Python loop over chunks: outside every compiled graph (chunk_fn may be compiled)
-def chunked_cross_entropy(x, weight, targets, chunk, z_loss=0.0, chunk_fn=ce_chunk_grad):
-    """F.cross_entropy(x @ weight.T, targets, ignore_index=-1) + z_loss * mean(logsumexp^2), computed `chunk`
-    tokens at a time. x (N, d) in the compute dtype, weight (V, d). Peak memory ~chunk x V x 4 bytes compiled (the
-    chunk's 16-bit logits and gradient; eager adds fp32 temporaries) instead of N x V x 10 (bf16 logits, their
-    fp32 copy and gradient): 151,936-token vocabularies make that the largest tensor of a step. chunk_fn:
-    ce_chunk_grad or a compiled copy of it."""
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    with torch.autocast(x.device.type, enabled=False):
-        return _ChunkedLinearCE.apply(x, weight, targets, chunk, z_loss, chunk_fn)
-
-
-def peak_flops(device_name):
-    """Peak bf16 FLOP/s of a device by name; None for a device not in the table (never a guess)."""
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):   # longest match first: "H100 PCIe" before "H100"
-        if key in (device_name or ""):
-            return PEAK_FLOPS[key]
-    return None
-
-
 class GPT(nn.Module):
+    _warned_fallback = False   # the fused path's fallback line prints once per process
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
@@ -382,13 +328,14 @@ class GPT(nn.Module):
         if cfg.residual == "hyper":
             self.hyper = nn.ModuleList(HyperConnection(cfg, k) for k in range(2 * L))
         self.reset_buffers()
-        self._route = route_reference
+        self._route = route_reference        # the reference routing (compiled by compile_sublayers)
         self._head = self._head_impl
+        self._paths = {}                     # device type -> "fused" | "reference", decided at the first forward there
         self._router = None                  # routing_kernel.FusedRouter, made on the first fused forward
+        self.routing_config = None           # routing_kernel.RoutingConfig for the fused kernels (None: config_for)
+        self.routing_observer = None         # called as (site, stacked sources) at every reference-routed site
         self.checkpoint_sublayers = False    # activation checkpointing of every sublayer (never of routing)
         self.z_loss = 0.0                    # logit z-loss coefficient added to the training loss
-        self.chunked_ce = 0                  # training loss over this many tokens at a time (0: whole logits)
-        self._ce_chunk = ce_chunk_grad       # its per-chunk loss and gradient (compiled by compile_sublayers)
         self.reset_parameters()
 
     def reset_buffers(self, device=None, dtype=None):
@@ -399,7 +346,7 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
 
     def reset_parameters(self):
-        # N(0, 0.02) for every linear and embedding weight (SPEC section 3); norms 1; routing q 0, g 1
+        # N(0, 0.02) for every linear and embedding weight (paper Appendix I); norms 1; routing q 0, g 1
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
@@ -409,7 +356,7 @@ class GPT(nn.Module):
         return [m for b in self.blocks for m in (b.attn, b.mlp)]
 
     def routing_sites(self):
-        """The 2L+1 routing sites in order (one before every sublayer, then the final readout)."""
+        """The routing sites in order (one before every sublayer, then the final readout except in delta mode)."""
         return list(self.routes) if hasattr(self, "routes") else []
 
     def num_params(self):
@@ -417,24 +364,18 @@ class GPT(nn.Module):
 
     def compile_sublayers(self, **kwargs):
         """torch.compile each sublayer (in place: parameter names stay clean), hyper-connections' stream reads and
-        writes, and the LM head + loss.
-        All attention sublayers share one compiled graph, all MLPs another. The reference routing is
-        compiled on its own with dynamic shapes (one graph for every number of sources); fused routing calls stay
-        outside every graph (routing_kernel.FusedRouter.route is opaque to torch.compile)."""
+        writes, and the LM head + loss. All attention sublayers share one compiled graph, all MLPs another. The
+        reference routing is compiled on its own with dynamic shapes (one graph for every number of sources); fused
+        routing calls stay outside every graph (routing_kernel's entry points are opaque to torch.compile)."""
         for sub in self.sublayers():
             sub.compile(**kwargs)
         for hc in getattr(self, "hyper", []):   # hyper-connections: their stream reads and writes, fused
             hc.read, hc.write = torch.compile(hc.read, **kwargs), torch.compile(hc.write, **kwargs)
         self._head = torch.compile(self._head_impl, **kwargs)
-        self._ce_chunk = torch.compile(ce_chunk_grad, **kwargs)   # called outside _head's graph (a Python loop)
         if self.cfg.residual in ("attnres", "mhar"):   # used by the reference path (and the fused path's fallback)
             self._route = torch.compile(route_reference, dynamic=True, **kwargs)
 
     def _head_impl(self, x, targets):
-        if self.chunked_ce and targets is not None and torch.is_grad_enabled():   # training: no logits returned
-            h = self.norm(x)
-            return None, chunked_cross_entropy(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                               self.chunked_ce, self.z_loss, self._ce_chunk)
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None
@@ -453,63 +394,71 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size={self.cfg.block_size}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.wte(idx)
-        subs = self.sublayers()
-        routing = []
+        routing = [] if return_routing else None   # per site: alpha (N_j, B, T, H), reference routing only
         mode = self.cfg.residual
-        if mode == "baseline":
-            for sub in subs:
+        if mode == "baseline":   # paper Eq. 1: one additive stream
+            for sub in self.sublayers():
                 x = x + self._run(sub, x, cos, sin)
         elif mode == "hyper":
             streams = x.unsqueeze(-2).expand(B, T, self.cfg.hc_streams, x.size(-1)).contiguous()
-            for hc, sub in zip(self.hyper, subs):
+            for hc, sub in zip(self.hyper, self.sublayers()):
                 streams = hc(streams, lambda h, c, s, sub=sub: self._run(sub, h, c, s), cos, sin)
             x = streams.sum(-2)                                      # readout: sum of streams
         elif mode == "delta":
-            x = self._delta_forward(x, subs, cos, sin, routing, return_routing)
-        elif self._fused(x) and not return_routing:
-            # routing_kernel.py keeps the depth history in one buffer; site j's input is the newest source
-            from routing_kernel import FusedRouter
-            sites = self.routing_sites()
-            x = x.to(self._act_dtype(x))
-            chain = self._router.start(x)
-            qg = [(site.q, site.g) for site in sites] + [(None, None)]   # site j also gets site j+1's (see route)
-            h = FusedRouter.route(chain, 1, x, *qg[0], *qg[1])
-            for j, sub in enumerate(subs, start=2):
-                h = FusedRouter.route(chain, j, self._run(sub, h, cos, sin), *qg[j - 1], *qg[j])
+            x = self._delta_forward(x, cos, sin, routing)
+        else:   # attnres / mhar (Eq. 2-3): every sublayer's input, and the readout, routed over the depth history
+            x = x.to(self._act_dtype(x))                             # s_0: the embedding, in the activation dtype
+            history = self._history(x, routing)
+            h = history.route(x)
+            for sub in self.sublayers():
+                h = history.route(self._run(sub, h, cos, sin))
             x = h
-        else:
-            sources = [x.to(self._act_dtype(x))]                     # depth history, each (B, T, d)
-            sites = self.routing_sites()
-            for site, sub in zip(sites, subs):
-                h = self._route_site(site, sources, routing, return_routing)
-                sources.append(self._run(sub, h, cos, sin))
-            x = self._route_site(sites[-1], sources, routing, return_routing)
         logits, loss = self._head(x, targets)
         return (logits, loss, routing) if return_routing else (logits, loss)
 
-    def _delta_forward(self, x, subs, cos, sin, routing, return_routing):
-        """Delta form (SPEC section 5, for grafting onto a pretrained model): the residual stream x stays;
-        sublayer j reads x + alpha_j * route_j(sources), sources = [null_j, embedding, completed block deltas],
-        a block delta being the stream at the end of a block minus the stream at its start."""
+    def _history(self, x, routing):
+        """A DepthHistory for one forward pass: the fused chain where it can run (and alpha is not recorded), else
+        the reference list."""
         sites = self.routing_sites()
+        if routing is None and self._routing_path(x.device) == "fused":
+            if self._router is None:
+                from routing_kernel import FusedRouter
+                self._router = FusedRouter(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps, self.routing_config)
+            return FusedDepthHistory(self._router, sites, x)
+        return DepthHistory(sites, functools.partial(self._route_stack, routing=routing))
+
+    def _route_stack(self, site, stacked, routing=None):
+        """Reference routing of one site over its stacked sources (N, B, T, d); records alpha if `routing` is a list."""
+        if self.routing_observer is not None:
+            self.routing_observer(site, stacked)
+        if routing is None:
+            return self._route(stacked, site.q, site.g, site.heads, site.eps)
+        out, alpha = route_reference(stacked, site.q, site.g, site.heads, site.eps, return_alpha=True)
+        routing.append(alpha)
+        return out
+
+    def _delta_forward(self, x, cos, sin, routing):
+        """Delta form (paper section 3.3, Appendix E; grafting onto a pretrained model): the residual stream x stays,
+        and sublayer k reads x + alpha_k * route_k(null_k, embedding, completed block deltas), a block delta being
+        the stream at a block's end minus the stream at its start. alpha = 0: the pretrained model, bitwise."""
         per_block = 2 * self.cfg.n_layer // self.cfg.num_blocks   # sublayers per block
-        fused = self._fused(x) and not return_routing
+        fused = routing is None and self._routing_path(x.device) == "fused"
         history, start = [x], x                                    # embedding; stream at the block's start
-        for k, (site, sub) in enumerate(zip(sites, subs)):
+        for k, (site, sub) in enumerate(zip(self.routing_sites(), self.sublayers())):
             if k and k % per_block == 0:                           # a block just completed: its delta is a source
                 history.append(x - start)
                 start = x
-            if fused:   # routing_kernel.route_delta: the history stacked once per block, the null as a source
+            if fused:   # routing_kernel.route_stack: the history stacked once per block, the null as an extra source
                 if k % per_block == 0:
-                    from routing_kernel import rms_factors, route_delta
+                    from routing_kernel import rms_factors, route_stack
                     hist = torch.stack(history)                    # (N, B, T, d)
                     r = rms_factors(hist, self.cfg.norm_eps)
-                routed = route_delta(hist, r, site.null, site.q, site.g, site.heads, site.eps)
+                routed = route_stack(hist, site.q, site.g, site.heads, site.eps, null=site.null, r=r,
+                                     config=self.routing_config)
             else:
                 stacked = torch.stack([site.null.to(x.dtype).expand_as(x)] + history)   # sources: (N, B, T, d)
-                routed = self._route_stack(site, stacked, routing, return_routing)
-            h = x + site.alpha.to(x.dtype) * routed
-            x = x + self._run(sub, h, cos, sin)
+                routed = self._route_stack(site, stacked, routing)
+            x = x + self._run(sub, x + site.alpha.to(x.dtype) * routed, cos, sin)
         return x
 
     def _run(self, sub, h, cos, sin):
@@ -522,33 +471,24 @@ class GPT(nn.Module):
         # sources live in the activation dtype: bf16 under autocast, else the embedding's dtype
         return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
-    def _fused(self, x):
-        """Use routing_kernel.py? Falls back to the reference routing, loudly, where Triton cannot run."""
+    def _routing_path(self, device):
+        """Which routing runs on `device`, "fused" (routing_kernel.py) or "reference": chosen once per device type, at
+        the first forward there (a model is built before it is moved). A fused request that cannot run falls back
+        with one line."""
         if self.cfg.routing_impl != "fused":
-            return False
-        import routing_kernel
-        if not routing_kernel.available(x.device):
-            if not getattr(GPT, "_warned_fallback", False):
+            return "reference"
+        if device.type not in self._paths:
+            import routing_kernel
+            ok = routing_kernel.available(device)
+            if not ok and not GPT._warned_fallback:
                 GPT._warned_fallback = True
                 why = "Triton is not installed" if routing_kernel.triton is None else \
-                    f"the model is on {x.device.type} (the kernels need CUDA, or TRITON_INTERPRET=1 on a CPU)"
+                    f"the model is on {device.type} (the kernels need CUDA, or TRITON_INTERPRET=1 on a CPU)"
                 print(f"*** routing_impl='fused' cannot run: {why}. Using the reference routing instead: slower "
                       "(every site re-stacks the depth history) and O(L^2) activation memory. Set "
                       "routing_impl='reference' to silence this. ***", file=sys.stderr)
-            return False
-        if self._router is None and self.cfg.residual != "delta":   # delta calls are stateless: no chain
-            self._router = routing_kernel.FusedRouter(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps)
-        return True
-
-    def _route_site(self, site, sources, routing, return_routing):
-        return self._route_stack(site, torch.stack(sources), routing, return_routing)   # (N_j, B, T, d)
-
-    def _route_stack(self, site, stacked, routing, return_routing):
-        if return_routing:
-            out, alpha = route_reference(stacked, site.q, site.g, site.heads, site.eps, return_alpha=True)
-            routing.append(alpha)
-            return out
-        return self._route(stacked, site.q, site.g, site.heads, site.eps)
+            self._paths[device.type] = "fused" if ok else "reference"
+        return self._paths[device.type]
 
     # -------------------------------------------------------------------------
 
@@ -630,3 +570,28 @@ class GPT(nn.Module):
         model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
         model.checkpoint_info["dir"] = os.path.dirname(os.path.abspath(path))   # a tokenizer.json lives beside it
         return model.to(device)
+
+
+PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrings of the device name
+    "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12,
+    "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12,
+}
+
+
+def peak_flops(device_name):
+    """Peak bf16 FLOP/s of a device by name; None for a device not in the table (never a guess)."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):   # longest match first: "H100 PCIe" before "H100"
+        if key in (device_name or ""):
+            return PEAK_FLOPS[key]
+    return None
+
+
+def upgrade_state(state):
+    """A state dict (model, EMA, or an optimizer's per-parameter states) with the scalar parameters of older
+    checkpoints, 0-dim tensors, reshaped to (1,): the delta gate alpha and the hyper-connection scales s_alpha,
+    s_beta are (1,) since FSDP2 refused 0-dim parameters. AdamW's moments of those parameters were 0-dim too
+    (no other parameter is). The tensors are viewed, not copied."""
+    def fix(name, t):
+        scalar = name.endswith((".alpha", ".s_alpha", ".s_beta", "exp_avg", "exp_avg_sq"))
+        return t.reshape(1) if scalar and isinstance(t, torch.Tensor) and t.dim() == 0 else t
+    return {k: upgrade_state(v) if isinstance(v, dict) else fix(str(k), v) for k, v in state.items()}

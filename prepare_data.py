@@ -1,5 +1,5 @@
 """
-Tokenize text into flat token files for train.py.
+Tokenize text into flat token files for train.py (TokenWriter), and read them back (TokenData).
 
 Default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub (needs `datasets` and a network),
 stopping after --max_tokens training tokens. Or local files: --input= a file, a glob or a directory of
@@ -204,6 +204,35 @@ class TokenWriter:
     def commit(self):
         self.f.close()
         os.replace(self.path + ".tmp", self.path)
+
+
+class TokenData:
+    """The reader of a TokenWriter file: the tokens cut into non-overlapping sequences of block_size (+1 for the
+    targets). Training order: a fresh permutation of all sequences every epoch, seeded by (seed, epoch); the k-th
+    sequence of a run is a pure function of k, so a resumed run and any number of processes see the same data."""
+
+    def __init__(self, path, dtype, block_size, seed):
+        self.data = np.memmap(path, dtype=dtype, mode="r")
+        self.T, self.seed = block_size, seed
+        self.n_seq = (len(self.data) - 1) // block_size
+        if self.n_seq < 1:
+            raise ValueError(f"{path} holds {len(self.data)} tokens, fewer than block_size + 1 = {block_size + 1}")
+        self._perm_epoch, self._perm = None, None
+
+    def rows(self, starts):
+        """The sequences starting at these token offsets, as a (len(starts), T+1) int64 array."""
+        return np.stack([self.data[s: s + self.T + 1] for s in starts]).astype(np.int64)
+
+    def train_batch(self, first, count):
+        """Sequences first .. first+count-1 of the training order, as a (count, T+1) int64 array."""
+        starts = []
+        for k in range(first, first + count):
+            epoch, pos = divmod(k, self.n_seq)
+            if epoch != self._perm_epoch:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_seq)
+                self._perm_epoch = epoch
+            starts.append(int(self._perm[pos]) * self.T)
+        return self.rows(starts)
 
 
 def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_tokens=100_000_000,

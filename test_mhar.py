@@ -1,8 +1,8 @@
 """
-Tests: python -m pytest -q test_mhar.py   (CPU; a few minutes on 2 cores)
+Tests: python -m pytest -q test_mhar.py   (CPU; a few minutes on 2 cores; on a CUDA machine the kernels run there)
 
-Uses ../shared/data (offline text and tiktoken cache) when it is there; otherwise a small corpus built
-from Python's own documentation, and tiktoken's normal download.
+One section per file under test, fixtures and helpers first. Uses ../shared/data (offline text and tiktoken cache)
+when it is there; otherwise a small corpus built from Python's own documentation, and tiktoken's normal download.
 """
 import glob
 import json
@@ -30,12 +30,21 @@ SHARED = os.path.join(HERE, "..", "shared", "data")
 if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(os.path.join(SHARED, "tiktoken_cache")):
     os.environ["TIKTOKEN_CACHE_DIR"] = os.path.realpath(os.path.join(SHARED, "tiktoken_cache"))
 
+import bench  # noqa: E402
+import convert  # noqa: E402
+import eval as evaluate  # noqa: E402
 import prepare_data  # noqa: E402
+import routing_kernel as rk  # noqa: E402
 import train  # noqa: E402
+from bench import run_chain  # noqa: E402   (N routing sites with a sublayer between them, like a model's)
 from model import GPT, GPTConfig, peak_flops, route_reference  # noqa: E402
 
 MODES = ("baseline", "hyper", "attnres", "mhar")
 
+
+# =====================================================================================================================
+# fixtures and helpers
+# =====================================================================================================================
 
 def tiny_cfg(**kw):
     base = dict(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=48, ffn_hidden=64)
@@ -52,11 +61,258 @@ def randomize_routing(model, scale=0.5, seed=0):
             site.g.copy_(1 + 0.1 * torch.randn(site.g.shape, generator=gen))
 
 
-# -----------------------------------------------------------------------------
-# the routing function against an independent float64 oracle
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A .jsonl.xz of real English documents: the shared offline text, or Python's own docs."""
+    shared = os.path.join(SHARED, "text", "books_wiki_en_val.jsonl.xz")
+    if os.path.isfile(shared):
+        return shared
+    path = str(tmp_path_factory.mktemp("corpus") / "docs.jsonl.xz")
+    names = ["os", "re", "json", "pathlib", "collections", "itertools", "functools", "argparse", "typing",
+             "subprocess", "threading", "logging", "unittest", "email", "http.client", "urllib.request"]
+    with lzma.open(path, "wt") as f:
+        for name in names:
+            f.write(json.dumps({"text": pydoc.render_doc(name, renderer=pydoc.plaintext)}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, corpus):
+    out = str(tmp_path_factory.mktemp("data"))
+    prepare_data.prepare(input=corpus, out_dir=out, val_fraction=0.05, workers=2, force=True)
+    return out
+
+
+def read_docs(path):
+    with lzma.open(path, "rt") as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+def corpus_gpt2(tmp_path, corpus):
+    d = str(tmp_path / "gpt2data")
+    prepare_data.prepare(input=corpus, out_dir=d, val_fraction=0.05, max_tokens=20000, workers=1)
+    return d
+
+
+TRAIN_ARGS = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--n_embd=64", "--ffn_hidden=128", "--block_size=64",
+              "--batch_tokens=512", "--micro_batch=4", "--lr=3e-3", "--warmup_steps=5", "--lr_decay_steps=60",
+              "--eval_tokens=2048", "--device=cpu", "--compile=False", "--residual=mhar"]
+
+
+def run_train(out_dir, data_dir, *extra, nproc=1, wait=True):
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                    "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = launcher + [os.path.join(HERE, "train.py"), f"--data_dir={data_dir}", f"--out_dir={out_dir}", *TRAIN_ARGS, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def read_log(out_dir):
+    """{step: record} for train lines and evals; a resumed run's repeated steps keep the last record."""
+    train_, evals = {}, {}
+    for line in open(os.path.join(out_dir, "log.jsonl")):
+        rec = json.loads(line)
+        (evals if "val_loss" in rec else train_)[rec["step"]] = rec
+    return train_, evals
+
+
+SMALL_BLOCKS = rk.RoutingConfig(max_block_m=16)   # many token blocks per launch, the last one partial
+
+
+def chain_grads(impl, src0, qs, gs, shift, up, H, dtype, config=None):
+    """N routing sites with tanh sublayers between them: out and every gradient (float64), bench.chain_grads."""
+    return bench.chain_grads(impl, src0.to(dtype), qs, gs, lambda j, x: torch.tanh(x) + shift[j].to(x.dtype), up, H,
+                             config)
+
+
+def check_fused_chain(N, B, T, d, H, dtype, config=None):
+    gen = torch.Generator().manual_seed(N * 1000 + T)
+    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
+    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
+    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
+    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
+    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
+    fused = chain_grads("fused", src0, qs, gs, shift, up, H, dtype, config)
+    names = ["out", "d_source", "dq", "dg"]
+    if N == 1:   # one source: alpha = 1, so dq and dg are 0 by the math; the fused path leaves rounding noise
+        scale = fused[1].abs().max() * B * T          # (exp(logit - lse) is 1 only up to a few ulp on a GPU)
+        assert fused[2].abs().max() < 1e-5 * scale and fused[3].abs().max() < 1e-5 * scale
+        names, fused = names[:2], fused[:2]
+    if dtype == torch.float32:
+        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
+        for name, a, b in zip(names, fused, ref):
+            assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+    else:   # bf16: no worse than 1.5x the reference's own bf16 error, both against a float64 truth
+        # the truth runs the same bf16 inputs in float64 (src0 rounded to bf16 first, like both paths see it)
+        truth = chain_grads("reference", src0.to(dtype).double(), [x.double() for x in qs], [x.double() for x in gs],
+                            [x.to(dtype).double() for x in shift], up, H, torch.float64)
+        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
+        for name, a, b, t in zip(names, fused, ref, truth):
+            assert rel_err(a, t) <= 1.5 * rel_err(b, t) + 1e-6, (name, rel_err(a, t), rel_err(b, t))
+
+
+def tiny_pair(routing_config=None, **kw):
+    """The same tiny MHAR model with reference and fused routing (launch settings routing_config), non-trivial queries."""
+    models = []
+    for impl in ("reference", "fused"):
+        torch.manual_seed(0)
+        m = GPT(tiny_cfg(routing_impl=impl, **kw)).to(DEVICE)
+        m.routing_config = routing_config
+        randomize_routing(m)
+        models.append(m)
+    return models
+
+
+def fused_model_vs_reference(**kw):
+    """Logits and every parameter gradient of a tiny model, fused against reference routing; returns the fused model."""
+    ref, fused = tiny_pair(**kw)
+    idx = torch.randint(0, 96, (2, 19), device=DEVICE)
+    outs = []
+    for m in (ref, fused):
+        logits, loss = m(idx, idx)
+        loss.backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
+    assert_grads_close(outs[1][1], outs[0][1])
+    return fused
+
+
+def assert_grads_close(fused, ref, tol=1e-4):
+    """Every parameter gradient; the routing q and g of all sites compared as one vector each (site 0 mixes
+    one source, so its q and g get exactly 0 in the reference and rounding noise in the fused path)."""
+    for name, grad in ref.items():
+        if not name.startswith("routes."):
+            assert rel_err(fused[name].double(), grad.double()) < tol, name
+    for p in ("q", "g"):
+        names = [n for n in ref if n.startswith("routes.") and n.endswith("." + p)]
+        if not names:   # a mode without routing
+            continue
+        a, b = torch.cat([fused[n] for n in names]), torch.cat([ref[n] for n in names])
+        assert rel_err(a.double(), b.double()) < tol, p
+
+
+HF_CONFIGS = {
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=300, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                  tie_word_embeddings=True, hidden_act="silu", attention_bias=False, torch_dtype="float32"),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=259, hidden_size=64,
+                  intermediate_size=112, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False,
+                  rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 32, "rope_type": "llama3"},
+                  hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="float32"),
+}
+
+
+def write_hf_checkpoint(path, hf_config, seed=0, shards=2, rope_parameters=False):
+    """Random weights in Hugging Face layout (config.json, sharded safetensors, index); returns the same
+    weights as a model.py baseline, the reference for the conversion."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    cfg = convert.model_config(hf_config, num_blocks=1)
+    torch.manual_seed(seed)
+    base = GPT(GPTConfig.from_dict({**cfg.__dict__, "residual": "baseline"}))
+    with torch.no_grad():   # norms away from 1 so a mis-mapped norm shows
+        for name, p in base.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    hf_name = {}
+    for hf, ours in convert.NAMES.items():
+        for i in range(cfg.n_layer):
+            hf_name[ours.format(i=i)] = hf.format(i=i)
+    tensors = {hf_name[k]: v.contiguous() for k, v in base.state_dict().items()
+               if not (k == "lm_head.weight" and cfg.tie_embeddings)}
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, os.path.join(path, fname))
+        weight_map.update({n: fname for n in part})
+    json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    hf_config = dict(hf_config)
+    if rope_parameters:   # the layout recent transformers versions write
+        hf_config["rope_parameters"] = {"rope_theta": hf_config.pop("rope_theta"), **(hf_config.pop("rope_scaling", None) or {"rope_type": "default"})}
+    json.dump(hf_config, open(os.path.join(path, "config.json"), "w"))
+    return base
+
+
+def write_tiny_tokenizer(path):
+    """A byte-level BPE tokenizer.json with <|end_of_text|> (Llama 3's end-of-text name), 257 tokens."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=257, special_tokens=["<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world"], trainer)
+    tok.save(path)
+    return path
+
+
+EVAL = os.path.join(SHARED, "eval")
+
+
+@pytest.fixture(scope="session")
+def eval_ckpt(tmp_path_factory):
+    """Tiny MHAR (H = 2) and attention-residual (H = 1) checkpoints with the GPT-2 tokenizer, live routing."""
+    paths = {}
+    for residual, H in (("mhar", 2), ("attnres", 1)):
+        torch.manual_seed(3)
+        cfg = GPTConfig(vocab_size=50304, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64,
+                        block_size=32, residual=residual, route_heads=H)
+        model = GPT(cfg)
+        with torch.no_grad():
+            for site in model.routing_sites():
+                site.q.normal_(0.0, 1.0)
+        out = tmp_path_factory.mktemp(f"eval_{residual}")
+        torch.save({"model": model.state_dict(), "model_config": cfg.__dict__, "step": 0, "tokenizer": "gpt2",
+                    "train_config": {"block_size": 32}}, out / "ckpt.pt")
+        paths[residual] = str(out)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def eval_root(tmp_path_factory):
+    """Small eval sets in --data_root layout: the shared files' first examples (or stand-ins without them)."""
+    root = tmp_path_factory.mktemp("evaldata")
+    wiki = os.path.join(EVAL, "wikitext-2-raw", "wiki.test.raw")
+    text = open(wiki, encoding="utf-8").read()[:400] if os.path.isfile(wiki) else \
+        " = Valkyria Chronicles = \n\n Senjo no Valkyria is a tactical role @-@ playing game developed by Sega . \n" * 3
+    lam = os.path.join(EVAL, "lambada", "lambada_test.jsonl")
+    texts = [json.loads(line)["text"] for line in open(lam)][:3] if os.path.isfile(lam) else \
+        ["She opened the door and saw her brother", "He put the book back on the shelf"]
+    texts.append("The word he could never spell was floccinaucinihilipilification")   # a many-token last word
+    hs = os.path.join(EVAL, "hellaswag", "hellaswag_val.jsonl.xz")
+    rows = [json.loads(line) for line in lzma.open(hs, "rt")][:5] if os.path.isfile(hs) else \
+        [{"ctx": "A man is sitting on a roof. he", "endings": ["is eating.", "starts pulling up roofing.", "flies.", "sings."],
+          "label": 1}] * 3
+    for rel, content in (("wikitext-2-raw/wiki.test.raw", text), ("wikitext-2-raw/wiki.valid.raw", text[::-1]),
+                         ("lambada/lambada_test.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts)),
+                         ("hellaswag/hellaswag_val.jsonl", "".join(json.dumps(r) + "\n" for r in rows))):
+        os.makedirs(os.path.dirname(root / rel), exist_ok=True)
+        (root / rel).write_text(content, encoding="utf-8")
+    return str(root)
+
+
+def direct_logprob(model, ids, target_pos):
+    """log p(ids[t] | ids[:t]) for each t in target_pos, one unbatched forward per call; and greedy hits."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0][0].double()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[t - 1, ids[t]].item() for t in target_pos], [logits[t - 1].argmax().item() == ids[t] for t in target_pos]
+
 
 def route_oracle(sources, q, g, H, eps):
-    """Per-head loops in float64, written from SPEC section 1 without sharing code with model.py."""
+    """Per-head loops in float64, written from the paper's Eq. 3 without sharing code with model.py."""
     s, q, g = sources.double(), q.double(), g.double()
     N, B, T, d = s.shape
     dh = d // H
@@ -70,6 +326,10 @@ def route_oracle(sources, q, g, H, eps):
         out[..., sl] = torch.einsum("nbt,nbtk->btk", w, s[..., sl])
     return out
 
+
+# =====================================================================================================================
+# model.py: route_reference against a float64 oracle, the method's invariants, configs
+# =====================================================================================================================
 
 @pytest.mark.parametrize("N,B,T,d,H", [(1, 2, 3, 32, 2), (5, 2, 7, 96, 4), (9, 1, 5, 40, 5), (4, 3, 1, 64, 1)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
@@ -89,9 +349,6 @@ def test_zero_query_is_uniform_mean():
     out = route_reference(sources, torch.zeros(32), torch.randn(32), 4)
     torch.testing.assert_close(out, sources.mean(0))
 
-
-# -----------------------------------------------------------------------------
-# model invariants (SPEC sections 1-2)
 
 def test_single_head_mhar_is_attnres_exactly():
     torch.manual_seed(0)
@@ -223,57 +480,331 @@ def test_bad_model_configs(kw, msg):
         tiny_cfg(**kw)
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["--n_layers=3"], r"unknown option 'n_layers'.*did you mean n_layer"),
-    (["--max_steps=ten"], r"max_steps='ten' has type str, expected int"),
-    (["--compile=1"], r"compile=1 has type int, expected bool"),
-    (["--lr"], r"write options as --key=value"),
-    (["--lr_schedule=cos"], r"lr_schedule='cos' is not one of cosine, linear, 1-sqrt"),
-    (["--n_embd=512", "--route_heads=3"], r"n_embd=512 must be divisible by route_heads=3"),
-    (["no_such_config.py"], r"config file 'no_such_config.py' not found"),
+def test_compiled_hyper_connections_match_eager():
+    """compile_sublayers also compiles the hyper-connections' stream read and write (one graph each for every
+    layer): same loss and gradients as eager, with non-zero dynamic weights."""
+    torch.manual_seed(0)
+    eager = GPT(tiny_cfg(residual="hyper")).to(DEVICE)
+    with torch.no_grad():
+        for hc in eager.hyper:
+            hc.w_alpha.normal_(0, 0.1)
+            hc.w_beta.normal_(0, 0.1)
+    compiled = GPT(tiny_cfg(residual="hyper")).to(DEVICE)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_sublayers()
+    idx = torch.randint(0, 96, (2, 16), device=DEVICE)
+    losses = [m(idx, idx)[1] for m in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[0].item() - losses[1].item()) < 1e-5
+    assert_grads_close({n: p.grad for n, p in compiled.named_parameters()}, {n: p.grad for n, p in eager.named_parameters()})
+
+
+def test_logits_beside_a_loss_are_detached():
+    """model(idx, targets) returns the logits detached (the loss carries the gradient), so a compiled head never
+    fills a zero gradient for the whole (B, T, vocab) logits in backward; model(idx) keeps them differentiable."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=64, ffn_hidden=128, block_size=32, vocab_size=500))
+    idx = torch.randint(0, 500, (2, 32))
+    logits, loss = model(idx, idx)
+    assert loss.requires_grad and not logits.requires_grad
+    assert model(idx)[0].requires_grad
+    model.compile_sublayers()
+    for _ in range(2):   # compile, then a clean step
+        model(idx, idx)[1].backward()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        model(idx, idx)[1].backward()
+    fills = [e.input_shapes for e in prof.key_averages(group_by_input_shape=True)
+             if e.key in ("aten::zero_", "aten::fill_", "aten::zeros") and [2, 32, 500] in e.input_shapes]
+    assert not fills, f"a (B, T, vocab) fill in the compiled step: {fills}"
+
+
+# =====================================================================================================================
+# routing_kernel.py: the fused kernels against the reference (CPU: Triton's interpreter)
+# =====================================================================================================================
+
+@pytest.mark.parametrize("null", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_stack_matches_reference(null, dtype):
+    """Rung 1, the stateless call: route_stack over stacked sources (and a null source first, as delta mode calls it)
+    gives route_reference's output and every gradient: sources, null, q, g."""
+    gen = torch.Generator().manual_seed(11)
+    N, B, T, d, H = 4, 2, 19, 112, 4
+    src0 = torch.randn(N, B, T, d, generator=gen).mul(torch.rand(N, 1, 1, 1, generator=gen) * 2 + 0.2)
+    q0, g0 = torch.randn(d, generator=gen), 1 + 0.3 * torch.randn(d, generator=gen)
+    n0, up = torch.randn(d, generator=gen) * 0.5, torch.randn(B, T, d, generator=gen, dtype=torch.float64)
+    results = []
+    for impl, run_dtype in (("fused", dtype), ("reference", dtype), ("truth", torch.float64)):
+        src = src0.to(dtype).to(DEVICE, run_dtype).clone().requires_grad_(True)
+        q, g, nul = (t.to(DEVICE, torch.float64 if impl == "truth" else torch.float32).clone().requires_grad_(True)
+                     for t in (q0, g0, n0))
+        if impl == "fused":
+            out = rk.route_stack(src, q, g, H, 1e-6, null=nul if null else None, config=SMALL_BLOCKS)
+        else:
+            full = torch.cat([nul.to(src.dtype).expand(1, B, T, d), src]) if null else src
+            out = route_reference(full, q, g, H, 1e-6)
+        (out.double() * up.to(DEVICE)).sum().backward()
+        results.append([out.double(), src.grad.double(), q.grad.double(), g.grad.double()]
+                       + ([nul.grad.double()] if null else []))
+    fused, ref, truth = results
+    for k, (a, b, t) in enumerate(zip(fused, ref, truth)):
+        if dtype == torch.float32:
+            assert rel_err(a, b) < 1e-5, (k, rel_err(a, b))
+        else:   # no worse than 1.5x the reference's own bf16 error against the float64 truth
+            assert rel_err(a, t) <= 1.5 * rel_err(b, t) + 1e-6, (k, rel_err(a, t), rel_err(b, t))
+
+
+@pytest.mark.parametrize("N,B,T,d,H", [
+    (1, 2, 5, 64, 2),      # one source: the readout of a model with no layers
+    (5, 3, 1, 96, 4),      # T = 1 (generation), d/H = 24 not a power of two
+    (7, 1, 67, 80, 5),     # tokens not a multiple of the block, d/H = 16 = d/16 (largest H)
+    (6, 2, 37, 48, 1),     # H = 1: attention residuals
+    (4, 2, 19, 112, 4),    # d/H = 28: the kernels' second column part (16 + 12) has padded lanes
 ])
-def test_bad_train_options(argv, msg):
-    with pytest.raises(ValueError, match=msg):
-        train.parse_args(argv)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_matches_reference(N, B, T, d, H, dtype):
+    check_fused_chain(N, B, T, d, H, dtype, SMALL_BLOCKS)
 
 
-def test_train_options_parse():
-    cfg = train.parse_args([os.path.join(HERE, "config", "tiny.py"), "--lr=1e-3", "--route_heads=2", "--residual=baseline"])
-    assert cfg.lr == 1e-3 and cfg.route_heads == 2 and cfg.residual == "baseline" and cfg.n_layer == 4
-    assert isinstance(train.parse_args(["--lr=1"]).lr, float)
-    for path in glob.glob(os.path.join(HERE, "config", "*.py")):
-        train.parse_args([path])   # every shipped config is valid
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_no_kernel_split(dtype):
+    """The one-part code path of the forward and the site pass (a head of width 28 padded to 32 lanes), which
+    power-of-two head widths take; by default a width of 28 runs as two parts (16 + 12)."""
+    check_fused_chain(4, 2, 19, 112, 4, dtype, rk.RoutingConfig(max_block_m=16, split=()))
 
 
-# -----------------------------------------------------------------------------
-# data preparation
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    """A .jsonl.xz of real English documents: the shared offline text, or Python's own docs."""
-    shared = os.path.join(SHARED, "text", "books_wiki_en_val.jsonl.xz")
-    if os.path.isfile(shared):
-        return shared
-    path = str(tmp_path_factory.mktemp("corpus") / "docs.jsonl.xz")
-    names = ["os", "re", "json", "pathlib", "collections", "itertools", "functools", "argparse", "typing",
-             "subprocess", "threading", "logging", "unittest", "email", "http.client", "urllib.request"]
-    with lzma.open(path, "wt") as f:
-        for name in names:
-            f.write(json.dumps({"text": pydoc.render_doc(name, renderer=pydoc.plaintext)}) + "\n")
-    return path
+@pytest.mark.parametrize("d", [96, 112])   # 112: heads of 28 as two column parts (16 + 12)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_stored_logits(d, dtype):
+    """stored_logits: the forward stores every (site, source) logit and the backward site pass loads it (without it,
+    as in the tests above, the site pass recomputes it). Only training passes store them."""
+    config = rk.RoutingConfig(max_block_m=16, stored_logits=True)
+    assert rk.RoutingChain(3, 10, d, 4, 1e-6, torch.float32, DEVICE, training=True, config=config).stored_logits
+    assert not rk.RoutingChain(3, 10, d, 4, 1e-6, torch.float32, DEVICE, training=False, config=config).stored_logits
+    check_fused_chain(5, 2, 19, d, 4, dtype, config)
 
 
-@pytest.fixture(scope="session")
-def data_dir(tmp_path_factory, corpus):
-    out = str(tmp_path_factory.mktemp("data"))
-    prepare_data.prepare(input=corpus, out_dir=out, val_fraction=0.05, workers=2, force=True)
-    return out
+def test_fused_routing_config_for_and_launch():
+    """config_for gives a tuned width its table entry and every other width DEFAULT; a chain launches each kernel with
+    its config's (tile, warps, stages), and a custom config is what runs."""
+    for (d, H), tuned in rk.TUNED_H200.items():
+        cfg = rk.config_for(d, H)
+        assert all(getattr(cfg, k) == v for k, v in tuned.items()) and cfg.call_site == rk.DEFAULT.call_site
+    assert rk.config_for(96, 4) is rk.DEFAULT and rk.config_for(512, 8) is rk.DEFAULT
+    config = rk.RoutingConfig(max_block_m=16, site=(1024, 2, 2), pairs=(256, 1, 1))
+    mine = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True, config=config).launch
+    default = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True).launch
+    assert mine["site"][2:4] == (2, 2) and mine["pairs"][2:4] == (1, 1) and mine["fwd"][2:4] == rk.DEFAULT.fwd[1:]
+    assert default["site"][2:4] == rk.DEFAULT.site[1:]
+    check_fused_chain(5, 1, 33, 96, 4, torch.float32, config)
 
 
-def read_docs(path):
-    with lzma.open(path, "rt") as f:
-        return [json.loads(line)["text"] for line in f if line.strip()]
+def test_fused_routing_announces_its_config():
+    code = ("import torch, routing_kernel as rk; c = rk.RoutingConfig(max_block_m=16, reducers=3); "
+            "[rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, 'cpu', True, c) for _ in range(2)]; "
+            "rk.RoutingChain(3, 10, 512, 4, 1e-6, torch.float32, 'cpu', True)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("fused routing")]
+    assert len(lines) == 2, r.stderr   # once per config and width
+    assert "(d=96, H=4): launch config 'default' (reducers=3, max_block_m=16)" in lines[0]
+    assert "launch config 'H200 d=512 H=4'" in lines[1] and "stored_logits=True" in lines[1]
 
+
+@pytest.mark.parametrize("split", [1, 3, 4])   # 74 tokens, 16 per block: 5 partial rows in chunks of 5, 2 + 2 + 1, 2 + 2 + 1 + 0
+def test_fused_routing_dw_reduction_split(split):
+    """The gather reduces the site pass's dw partials in two levels (`reducers` first-level programs per head, the
+    last to finish sums their rows): any split, chunks uneven or empty, gives the reference's dq and dg, and the
+    per-head tickets are back at 0 after every launch."""
+    config = rk.RoutingConfig(max_block_m=16, reducers=split)
+    check_fused_chain(5, 2, 37, 96, 4, torch.float32, config)
+    chain = rk.RoutingChain(5, 74, 96, 4, 1e-6, torch.float32, DEVICE, training=True, config=config)
+    assert chain.K == split and chain.n_blocks == 5
+    s0 = torch.randn(2, 37, 96, device=DEVICE, requires_grad=True)
+    q = [torch.randn(96, device=DEVICE, requires_grad=True) for _ in range(5)]
+    g = [torch.ones(96, device=DEVICE, requires_grad=True) for _ in range(5)]
+    chain.reset(q, g)
+    out = run_chain(lambda j, x: chain.route(j, x, q[j - 1], g[j - 1]), s0, 5, lambda j, x: torch.tanh(x))
+    out.sum().backward()
+    assert chain.TICKET.tolist() == [0] * 4
+
+
+@pytest.mark.parametrize("least", [1, 3])   # 1: every other site leads (both ways); 3: some lead, some run alone
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_shared_reads(least, dtype):
+    """Neighbouring sites sharing reads (lead_schedule): a forward that also runs the next site's softmax over the
+    older sources and one that resumes it, a gather that also sums the previous source's gradients and one that
+    starts from them; with stored logits and heads of two column parts in every kernel. The forward is the same
+    arithmetic as one launch per site, so its output is bitwise the unpaired one, in training and under no_grad."""
+    config = rk.RoutingConfig(max_block_m=16, stored_logits=True, split=("fwd", "site", "gather"), lead_min=least)
+    fwd, gather = rk.lead_schedule(7, least)
+    assert (fwd, gather) == (({2, 4, 6}, {2, 4, 6}) if least == 1 else ({4, 6}, {2, 4}))
+    check_fused_chain(7, 2, 19, 112, 4, dtype, config)
+    gen = torch.Generator().manual_seed(7)
+    s0 = torch.randn(2, 19, 112, generator=gen).to(DEVICE, dtype)
+    qs = [torch.randn(112, generator=gen).to(DEVICE) for _ in range(7)]
+    gs = [torch.ones(112, device=DEVICE) for _ in range(7)]
+    outs = []
+    no_leads = rk.RoutingConfig(max_block_m=16, stored_logits=True, split=config.split, fwd_lead=None, gather_lead=None)
+    for cfg, grad in [(config, True), (config, False), (no_leads, True)]:
+        with torch.set_grad_enabled(grad):
+            chain = rk.FusedRouter(7, 4, 1e-6, cfg).start(s0.requires_grad_(grad), qs, gs)
+            outs.append(run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), s0, 7,
+                                  lambda j, x: torch.tanh(x)).detach())
+        assert chain.fwd_lead == (fwd if cfg is config else set())
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not os.environ.get("MHAR_SLOW_TESTS"),
+                    reason="145 sites take ~4 min in Triton's CPU interpreter: runs on CUDA or with MHAR_SLOW_TESTS=1")
+def test_fused_routing_145_sources():
+    gen = torch.Generator().manual_seed(145)
+    N, B, T, d, H = 145, 1, 3, 32, 2
+    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
+    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
+    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
+    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
+    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
+    fused = chain_grads("fused", src0, qs, gs, shift, up, H, torch.float32)
+    ref = chain_grads("reference", src0, qs, gs, shift, up, H, torch.float32)
+    for name, a, b in zip(["out", "d_source", "dq", "dg"], fused, ref):
+        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("mode,H", [("mhar", 2), ("attnres", None), ("mhar", 3)])
+def test_fused_model_matches_reference(mode, H):
+    fused_model_vs_reference(residual=mode, route_heads=H)
+
+
+def test_fused_model_shared_reads():
+    """model.py hands the router every site's query and gain: with every other site leading (forward and gather),
+    the fused model still matches the reference (fails if a leading site reads its own query for the next site)."""
+    chain = fused_model_vs_reference(residual="mhar", route_heads=2,
+                                     routing_config=rk.RoutingConfig(lead_min=1))._router.chain
+    assert chain.fwd_lead == {2, 4} and chain.gather_lead == {2, 4}   # 2 layers: 5 sites
+
+
+def test_fused_gradients_bitwise_deterministic():
+    _, fused = tiny_pair()
+    idx = torch.randint(0, 96, (3, 21), device=DEVICE)
+    grads = []
+    for _ in range(2):
+        fused.zero_grad()
+        fused(idx, idx)[1].backward()
+        grads.append([p.grad.clone() for p in fused.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_fused_composes_with_checkpointing_and_no_grad():
+    ref, fused = tiny_pair()
+    fused.checkpoint_sublayers = True
+    idx = torch.randint(0, 96, (2, 16), device=DEVICE)
+    for m in (ref, fused):
+        m(idx, idx)[1].backward()
+    assert_grads_close({n: p.grad for n, p in fused.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
+    with torch.no_grad():   # evaluation between a forward and its backward uses its own buffers
+        _, loss = fused(idx, idx)
+        eval_logits = fused(idx)[0]
+        loss2 = fused(idx, idx)[1]
+    torch.testing.assert_close(eval_logits, ref(idx)[0], rtol=1e-4, atol=1e-5)
+    assert torch.equal(loss, loss2)
+
+
+def test_fused_composes_with_compiled_sublayers():
+    ref, fused = tiny_pair()
+    fused.compile_sublayers()
+    idx = torch.randint(0, 96, (2, 16), device=DEVICE)
+    for m in (ref, fused):
+        m(idx, idx)[1].backward()
+    assert_grads_close({n: p.grad for n, p in fused.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
+
+
+def test_fused_contract_errors():
+    _, fused = tiny_pair()
+    idx = torch.randint(0, 96, (2, 8), device=DEVICE)
+    _, loss = fused(idx, idx)
+    with pytest.raises(RuntimeError, match="second forward started before the first forward's backward"):
+        fused(idx, idx)
+    loss.backward()
+    _, loss = fused(idx, idx)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward already finished"):   # a second backward through one graph
+        loss.backward()
+    # a loss built from an intermediate routing output: backward starts at the wrong site
+    chain = fused._router.start(fused.wte(idx))
+    sites = fused.routing_sites()
+    x = fused.wte(idx)
+    h1 = chain.route(1, x, sites[0].q, sites[0].g)
+    h2 = chain.route(2, h1 * 2, sites[1].q, sites[1].g)
+    with pytest.raises(RuntimeError, match="backward reached site 2, expected"):
+        h2.sum().backward()
+    # a routing call inside activation checkpointing runs a site's forward during backward
+    fused._router.chain = None
+    chain = fused._router.start(x)
+    n = len(sites)
+
+    def checkpointed(inp, j):
+        return chain.route(j, inp, sites[j - 1].q, sites[j - 1].g)
+    h = checkpointed(x, 1)
+    for j in range(2, n + 1):
+        h = torch.utils.checkpoint.checkpoint(checkpointed, torch.tanh(h), j, use_reentrant=False)
+    with pytest.raises(RuntimeError, match="Activation checkpointing may wrap sublayers, never routing calls"):
+        h.sum().backward()
+
+
+def test_fused_envelope_errors():
+    with pytest.raises(ValueError, match=r"head width d/H = 48/4 = 12 is below 16"):
+        rk.check_envelope(48, 4, torch.bfloat16)
+    with pytest.raises(ValueError, match="float64.*routing_impl='reference'"):
+        rk.check_envelope(64, 2, torch.float64)
+
+
+def test_fused_falls_back_loudly_without_triton_device():
+    code = ("import torch; from model import GPT, GPTConfig; torch.manual_seed(0); "
+            "m = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, "
+            "ffn_hidden=32, routing_impl='fused')); m(torch.zeros(1, 4, dtype=torch.long)); "
+            "m(torch.zeros(1, 4, dtype=torch.long)); print('ok')")
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    assert r.stderr.count("routing_impl='fused' cannot run") == 1 and "routing_impl='reference'" in r.stderr
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_fused_delta_matches_reference(tmp_path, checkpoint):
+    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["qwen3"])
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={out}", "--dtype=float32", "--num_blocks=2", "--route_heads=2",
+                  "--check_batches=0", "--tokenizer=gpt2"])
+    models = []
+    gen = torch.Generator().manual_seed(1)
+    for impl in ("reference", "fused"):
+        m = GPT.from_checkpoint(out).to(DEVICE)
+        m.cfg.routing_impl = impl
+        m.checkpoint_sublayers = checkpoint
+        gen.manual_seed(1)
+        with torch.no_grad():   # live routing: alpha, queries and null vectors away from their initial values
+            for site in m.routing_sites():
+                site.alpha.fill_(0.7)
+                site.q.copy_(torch.randn(site.q.shape, generator=gen).to(DEVICE))
+                site.null.copy_(0.3 * torch.randn(site.null.shape, generator=gen).to(DEVICE))
+        models.append(m)
+    idx = torch.randint(0, 300, (2, 37), device=DEVICE)
+    outs = []
+    for m in models:
+        logits, loss = m(idx, idx)
+        loss.backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
+    for name, grad in outs[0][1].items():
+        assert rel_err(outs[1][1][name].double(), grad.double()) < 1e-4, name
+
+
+# =====================================================================================================================
+# prepare_data.py
+# =====================================================================================================================
 
 def test_prepare_data_counts_and_round_trip(data_dir, corpus):
     meta = json.load(open(os.path.join(data_dir, "meta.json")))
@@ -330,31 +861,30 @@ def test_tokenizer_error_is_actionable(monkeypatch, tmp_path):
         prepare_data.load_tokenizer("o200k_base")
 
 
-# -----------------------------------------------------------------------------
-# training: runs of train.py as users run it
+# =====================================================================================================================
+# train.py: options, and runs as users run them (resume, DDP, FSDP2, CUDA graphs)
+# =====================================================================================================================
 
-TRAIN_ARGS = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--n_embd=64", "--ffn_hidden=128", "--block_size=64",
-              "--batch_tokens=512", "--micro_batch=4", "--lr=3e-3", "--warmup_steps=5", "--lr_decay_steps=60",
-              "--eval_tokens=2048", "--device=cpu", "--compile=False", "--residual=mhar"]
+@pytest.mark.parametrize("argv,msg", [
+    (["--n_layers=3"], r"unknown option 'n_layers'.*did you mean n_layer"),
+    (["--max_steps=ten"], r"max_steps='ten' has type str, expected int"),
+    (["--compile=1"], r"compile=1 has type int, expected bool"),
+    (["--lr"], r"write options as --key=value"),
+    (["--lr_schedule=cos"], r"lr_schedule='cos' is not one of cosine, linear, 1-sqrt"),
+    (["--n_embd=512", "--route_heads=3"], r"n_embd=512 must be divisible by route_heads=3"),
+    (["no_such_config.py"], r"config file 'no_such_config.py' not found"),
+])
+def test_bad_train_options(argv, msg):
+    with pytest.raises(ValueError, match=msg):
+        train.parse_args(argv)
 
 
-def run_train(out_dir, data_dir, *extra, nproc=1, wait=True):
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = launcher + [os.path.join(HERE, "train.py"), f"--data_dir={data_dir}", f"--out_dir={out_dir}", *TRAIN_ARGS, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
-    if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-
-
-def read_log(out_dir):
-    """{step: record} for train lines and evals; a resumed run's repeated steps keep the last record."""
-    train_, evals = {}, {}
-    for line in open(os.path.join(out_dir, "log.jsonl")):
-        rec = json.loads(line)
-        (evals if "val_loss" in rec else train_)[rec["step"]] = rec
-    return train_, evals
+def test_train_options_parse():
+    cfg = train.parse_args([os.path.join(HERE, "config", "tiny.py"), "--lr=1e-3", "--route_heads=2", "--residual=baseline"])
+    assert cfg.lr == 1e-3 and cfg.route_heads == 2 and cfg.residual == "baseline" and cfg.n_layer == 4
+    assert isinstance(train.parse_args(["--lr=1"]).lr, float)
+    for path in glob.glob(os.path.join(HERE, "config", "*.py")):
+        train.parse_args([path])   # every shipped config is valid
 
 
 def test_training_loss_falls_and_sample(tmp_path, data_dir):
@@ -438,302 +968,6 @@ def test_ddp_two_processes_match_one(tmp_path, data_dir):
     assert max(abs(a[1][s]["val_loss"] - b[1][s]["val_loss"]) for s in a[1]) < 1e-4
 
 
-# -----------------------------------------------------------------------------
-# fused Triton routing (routing_kernel.py) against the reference
-
-import routing_kernel as rk  # noqa: E402
-
-
-def chain_grads(impl, src0, qs, gs, shift, up, H, dtype):
-    """Run N routing sites with tanh sublayers between them; return out and every gradient (float64)."""
-    N = len(qs)
-    s0 = src0.to(dtype).clone().requires_grad_(True)
-    q = [x.clone().requires_grad_(True) for x in qs]
-    g = [x.clone().requires_grad_(True) for x in gs]
-    sub = lambda j, x: torch.tanh(x) + shift[j].to(x.dtype)
-    if impl == "fused":
-        chain = rk.FusedRouter(N, H, 1e-6).start(s0)
-        out = rk._chain(lambda j, x, *qg: rk.FusedRouter.route(chain, j + 1, x, *qg), s0, q, g, sub)
-    else:
-        out = rk._chain(rk._reference_site(lambda st, qq, gg: route_reference(st, qq, gg, H)), s0, q, g, sub)
-    (out.double() * up).sum().backward()
-    return [out.detach().double(), s0.grad.double(), torch.cat([x.grad for x in q]).double(),
-            torch.cat([x.grad for x in g]).double()]
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-@pytest.mark.parametrize("N,B,T,d,H", [
-    (1, 2, 5, 64, 2),      # one source: the readout of a model with no layers
-    (5, 3, 1, 96, 4),      # T = 1 (generation), d/H = 24 not a power of two
-    (7, 1, 67, 80, 5),     # tokens not a multiple of the block, d/H = 16 = d/16 (largest H)
-    (6, 2, 37, 48, 1),     # H = 1: attention residuals
-    (4, 2, 19, 112, 4),    # d/H = 28: the kernels' second column part (16 + 12) has padded lanes
-])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_routing_matches_reference(N, B, T, d, H, dtype, monkeypatch):
-    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)   # many token blocks, the last one partial
-    check_fused_chain(N, B, T, d, H, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_routing_no_kernel_split(dtype, monkeypatch):
-    """The one-part code path of the forward and the site pass (a head of width 28 padded to 32 lanes), which
-    power-of-two head widths take; by default a width of 28 runs as two parts (16 + 12)."""
-    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
-    monkeypatch.setattr(rk, "SPLIT", ())
-    check_fused_chain(4, 2, 19, 112, 4, dtype)
-
-
-@pytest.mark.parametrize("d", [96, 112])   # 112: heads of 28 as two column parts (16 + 12)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_routing_stored_logits(d, dtype, monkeypatch):
-    """Widths in STORED_LOGITS: the forward stores every (site, source) logit and the backward site pass loads it
-    (other widths, as in the tests above, recompute it there)."""
-    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
-    monkeypatch.setattr(rk, "STORED_LOGITS", {(d, 4)})
-    assert rk.RoutingChain(3, 10, d, 4, 1e-6, torch.float32, DEVICE, training=True).stored_logits
-    assert not rk.RoutingChain(3, 10, d, 4, 1e-6, torch.float32, DEVICE, training=False).stored_logits
-    check_fused_chain(5, 2, 19, d, 4, dtype)
-
-
-def test_fused_routing_shape_config(monkeypatch):
-    """A model width's own configs (SHAPE_CONFIG, from --tune-train) replace CONFIG's for that width only."""
-    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
-    monkeypatch.setattr(rk, "SHAPE_CONFIG", {(96, 4): {"site": (1024, 2, 2), "pairs": (256, 1, 1)}})
-    mine = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True).launch
-    other = rk.RoutingChain(3, 10, 64, 4, 1e-6, torch.float32, DEVICE, training=True).launch
-    assert mine["site"][2:4] == (2, 2) and mine["pairs"][2:4] == (1, 1) and mine["fwd"][2:4] == rk.CONFIG["fwd"][1:]
-    assert other["site"][2:4] == rk.CONFIG["site"][1:]
-    check_fused_chain(5, 1, 33, 96, 4, torch.float32)
-
-
-def test_tune_candidates_cover_the_configs():
-    """--tune / --tune-train can find every config main ships (else a retune silently drops a measured best)."""
-    used = set(rk.CONFIG.values()) | {cfg for width in rk.SHAPE_CONFIG.values() for cfg in width.values() if cfg}
-    assert used <= set(rk.TUNE_CANDIDATES), used - set(rk.TUNE_CANDIDATES)
-
-
-@pytest.mark.parametrize("split", [1, 3, 4])   # 74 tokens, 16 per block: 5 partial rows in chunks of 5, 2 + 2 + 1, 2 + 2 + 1 + 0
-def test_fused_routing_dw_reduction_split(split, monkeypatch):
-    """The gather reduces the site pass's dw partials in two levels (REDUCE_SPLIT first-level programs per head, the
-    last to finish sums their rows): any split, chunks uneven or empty, gives the reference's dq and dg, and the
-    per-head tickets are back at 0 after every launch."""
-    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
-    monkeypatch.setattr(rk, "REDUCE_SPLIT", split)
-    check_fused_chain(5, 2, 37, 96, 4, torch.float32)
-    chain = rk.RoutingChain(5, 74, 96, 4, 1e-6, torch.float32, DEVICE, training=True)
-    assert chain.K == split and chain.n_blocks == 5
-    s0 = torch.randn(2, 37, 96, device=DEVICE, requires_grad=True)
-    q = [torch.randn(96, device=DEVICE, requires_grad=True) for _ in range(5)]
-    g = [torch.ones(96, device=DEVICE, requires_grad=True) for _ in range(5)]
-    out = rk._chain(lambda j, x, *qg: rk.FusedRouter.route(chain, j + 1, x, *qg), s0, q, g, lambda j, x: torch.tanh(x))
-    out.sum().backward()
-    assert chain.TICKET.tolist() == [0] * 4
-
-
-@pytest.mark.parametrize("least", [1, 3])   # 1: every other site leads (both ways); 3: some lead, some run alone
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_routing_shared_reads(least, dtype, monkeypatch):
-    """Neighbouring sites sharing reads (ahead_schedule): a forward that also runs the next site's softmax over the
-    older sources and one that resumes it, a gather that also sums the previous source's gradients and one that
-    starts from them; with stored logits and heads of two column parts in every kernel. The forward is the same
-    arithmetic as one launch per site, so its output is bitwise the unpaired one, in training and under no_grad."""
-    monkeypatch.setattr(rk, "MAX_BLOCK_M", 16)
-    monkeypatch.setattr(rk, "STORED_LOGITS", {(112, 4)})
-    monkeypatch.setattr(rk, "SPLIT", ("fwd", "site", "gather"))
-    monkeypatch.setattr(rk, "AHEAD_MIN", least)
-    fwd, gather = rk.ahead_schedule(7)
-    assert (fwd, gather) == (({2, 4, 6}, {2, 4, 6}) if least == 1 else ({4, 6}, {2, 4}))
-    check_fused_chain(7, 2, 19, 112, 4, dtype)
-    gen = torch.Generator().manual_seed(7)
-    s0 = torch.randn(2, 19, 112, generator=gen).to(DEVICE, dtype)
-    qs = [torch.randn(112, generator=gen).to(DEVICE) for _ in range(7)]
-    gs = [torch.ones(112, device=DEVICE) for _ in range(7)]
-    outs = []
-    for ahead, grad in [(least, True), (least, False), (None, True)]:
-        monkeypatch.setattr(rk, "AHEAD_MIN", ahead)
-        with torch.set_grad_enabled(grad):
-            chain = rk.FusedRouter(7, 4, 1e-6).start(s0.requires_grad_(grad))
-            outs.append(rk._chain(lambda j, x, *qg: rk.FusedRouter.route(chain, j + 1, x, *qg), s0, qs, gs,
-                                  lambda j, x: torch.tanh(x)).detach())
-        assert chain.fwd_lead == (fwd if ahead else set())
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-def check_fused_chain(N, B, T, d, H, dtype):
-    gen = torch.Generator().manual_seed(N * 1000 + T)
-    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
-    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
-    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
-    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
-    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
-    fused = chain_grads("fused", src0, qs, gs, shift, up, H, dtype)
-    names = ["out", "d_source", "dq", "dg"]
-    if N == 1:   # one source: alpha = 1, so dq and dg are 0 by the math; the fused path leaves rounding noise
-        scale = fused[1].abs().max() * B * T          # (exp(logit - lse) is 1 only up to a few ulp on a GPU)
-        assert fused[2].abs().max() < 1e-5 * scale and fused[3].abs().max() < 1e-5 * scale
-        names, fused = names[:2], fused[:2]
-    if dtype == torch.float32:
-        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
-        for name, a, b in zip(names, fused, ref):
-            assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
-    else:   # bf16: no worse than 1.5x the reference's own bf16 error, both against a float64 truth
-        # the truth runs the same bf16 inputs in float64 (src0 rounded to bf16 first, like both paths see it)
-        truth = chain_grads("reference", src0.to(dtype).double(), [x.double() for x in qs], [x.double() for x in gs],
-                            [x.to(dtype).double() for x in shift], up, H, torch.float64)
-        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
-        for name, a, b, t in zip(names, fused, ref, truth):
-            assert rel_err(a, t) <= 1.5 * rel_err(b, t) + 1e-6, (name, rel_err(a, t), rel_err(b, t))
-
-
-@pytest.mark.skipif(DEVICE == "cpu" and not os.environ.get("MHAR_SLOW_TESTS"),
-                    reason="145 sites take ~4 min in Triton's CPU interpreter: runs on CUDA or with MHAR_SLOW_TESTS=1")
-def test_fused_routing_145_sources():
-    gen = torch.Generator().manual_seed(145)
-    N, B, T, d, H = 145, 1, 3, 32, 2
-    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
-    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
-    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
-    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
-    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
-    fused = chain_grads("fused", src0, qs, gs, shift, up, H, torch.float32)
-    ref = chain_grads("reference", src0, qs, gs, shift, up, H, torch.float32)
-    for name, a, b in zip(["out", "d_source", "dq", "dg"], fused, ref):
-        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
-
-
-def tiny_pair(**kw):
-    """The same tiny MHAR model with reference and fused routing, non-trivial queries."""
-    models = []
-    for impl in ("reference", "fused"):
-        torch.manual_seed(0)
-        m = GPT(tiny_cfg(routing_impl=impl, **kw)).to(DEVICE)
-        randomize_routing(m)
-        models.append(m)
-    return models
-
-
-@pytest.mark.parametrize("mode,H", [("mhar", 2), ("attnres", None), ("mhar", 3)])
-def test_fused_model_matches_reference(mode, H):
-    fused_model_vs_reference(residual=mode, route_heads=H)
-
-
-def test_fused_model_shared_reads(monkeypatch):
-    """model.py hands each site the next site's query and gain: with every other site leading (forward and gather),
-    the fused model still matches the reference."""
-    monkeypatch.setattr(rk, "AHEAD_MIN", 1)
-    chain = fused_model_vs_reference(residual="mhar", route_heads=2)._router.chain
-    assert chain.fwd_lead == {2, 4} and chain.gather_lead == {2, 4}   # 2 layers: 5 sites
-
-
-def fused_model_vs_reference(**kw):
-    """Logits and every parameter gradient of a tiny model, fused against reference routing; returns the fused model."""
-    ref, fused = tiny_pair(**kw)
-    idx = torch.randint(0, 96, (2, 19), device=DEVICE)
-    outs = []
-    for m in (ref, fused):
-        logits, loss = m(idx, idx)
-        loss.backward()
-        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
-    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
-    assert_grads_close(outs[1][1], outs[0][1])
-    return fused
-
-
-def assert_grads_close(fused, ref, tol=1e-4):
-    """Every parameter gradient; the routing q and g of all sites compared as one vector each (site 0 mixes
-    one source, so its q and g get exactly 0 in the reference and rounding noise in the fused path)."""
-    for name, grad in ref.items():
-        if not name.startswith("routes."):
-            assert rel_err(fused[name].double(), grad.double()) < tol, name
-    for p in ("q", "g"):
-        names = [n for n in ref if n.startswith("routes.") and n.endswith("." + p)]
-        if not names:   # a mode without routing
-            continue
-        a, b = torch.cat([fused[n] for n in names]), torch.cat([ref[n] for n in names])
-        assert rel_err(a.double(), b.double()) < tol, p
-
-
-def test_fused_gradients_bitwise_deterministic():
-    _, fused = tiny_pair()
-    idx = torch.randint(0, 96, (3, 21), device=DEVICE)
-    grads = []
-    for _ in range(2):
-        fused.zero_grad()
-        fused(idx, idx)[1].backward()
-        grads.append([p.grad.clone() for p in fused.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
-def test_fused_composes_with_checkpointing_and_no_grad():
-    ref, fused = tiny_pair()
-    fused.checkpoint_sublayers = True
-    idx = torch.randint(0, 96, (2, 16), device=DEVICE)
-    for m in (ref, fused):
-        m(idx, idx)[1].backward()
-    assert_grads_close({n: p.grad for n, p in fused.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
-    with torch.no_grad():   # evaluation between a forward and its backward uses its own buffers
-        _, loss = fused(idx, idx)
-        eval_logits = fused(idx)[0]
-        loss2 = fused(idx, idx)[1]
-    torch.testing.assert_close(eval_logits, ref(idx)[0], rtol=1e-4, atol=1e-5)
-    assert torch.equal(loss, loss2)
-
-
-def test_fused_contract_errors():
-    _, fused = tiny_pair()
-    idx = torch.randint(0, 96, (2, 8), device=DEVICE)
-    _, loss = fused(idx, idx)
-    with pytest.raises(RuntimeError, match="second forward started before the first forward's backward"):
-        fused(idx, idx)
-    loss.backward()
-    _, loss = fused(idx, idx)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward already finished"):   # a second backward through one graph
-        loss.backward()
-    # a loss built from an intermediate routing output: backward starts at the wrong site
-    chain = fused._router.start(fused.wte(idx))
-    sites = fused.routing_sites()
-    x = fused.wte(idx)
-    h1 = rk.FusedRouter.route(chain, 1, x, sites[0].q, sites[0].g)
-    h2 = rk.FusedRouter.route(chain, 2, h1 * 2, sites[1].q, sites[1].g)
-    with pytest.raises(RuntimeError, match="backward reached site 2, expected"):
-        h2.sum().backward()
-    # a routing call inside activation checkpointing runs a site's forward during backward
-    fused._router.chain = None
-    chain = fused._router.start(x)
-    n = len(sites)
-
-    def checkpointed(inp, j):
-        return rk.FusedRouter.route(chain, j, inp, sites[j - 1].q, sites[j - 1].g)
-    h = checkpointed(x, 1)
-    for j in range(2, n + 1):
-        h = torch.utils.checkpoint.checkpoint(checkpointed, torch.tanh(h), j, use_reentrant=False)
-    with pytest.raises(RuntimeError, match="Activation checkpointing may wrap sublayers, never routing calls"):
-        h.sum().backward()
-
-
-def test_fused_envelope_errors():
-    with pytest.raises(ValueError, match=r"head width d/H = 48/4 = 12 is below 16"):
-        rk.check_envelope(48, 4, torch.bfloat16)
-    with pytest.raises(ValueError, match="float64.*routing_impl='reference'"):
-        rk.check_envelope(64, 2, torch.float64)
-
-
-def test_fused_falls_back_loudly_without_triton_device():
-    code = ("import torch; from model import GPT, GPTConfig; torch.manual_seed(0); "
-            "m = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, "
-            "ffn_hidden=32, routing_impl='fused')); m(torch.zeros(1, 4, dtype=torch.long)); "
-            "m(torch.zeros(1, 4, dtype=torch.long)); print('ok')")
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=env)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
-    assert r.stderr.count("routing_impl='fused' cannot run") == 1 and "routing_impl='reference'" in r.stderr
-
-
 def test_fused_training_curve_matches_reference(tmp_path, data_dir):
     runs = {}
     for impl in ("reference", "fused"):
@@ -747,100 +981,126 @@ def test_fused_training_curve_matches_reference(tmp_path, data_dir):
     assert len(a[0]) == 30 and diff < 1e-4, diff
 
 
-def test_fused_composes_with_compiled_sublayers():
-    ref, fused = tiny_pair()
-    fused.compile_sublayers()
-    idx = torch.randint(0, 96, (2, 16), device=DEVICE)
-    for m in (ref, fused):
-        m(idx, idx)[1].backward()
-    assert_grads_close({n: p.grad for n, p in fused.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
+def test_fsdp_two_processes_match_one(tmp_path, data_dir):
+    """FSDP2 (gloo, 2 CPU processes) follows the single-process curve of the same bf16-compute model."""
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    r1 = run_train(one, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=1)
+    r2 = run_train(two, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=2)
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stdout + r2.stderr
+    assert "FSDP2 mixed precision" in r2.stdout
+    a, b = read_log(one), read_log(two)
+    assert max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0]) < 2e-2   # bf16 compute, other reduction order
+    assert a[0][6]["loss"] < a[0][1]["loss"]
+    # a checkpoint saved under FSDP resumes (full state dicts on rank 0, broadcast back)
+    r = run_train(two, data_dir, "--max_steps=8", "--eval_interval=3", "--fsdp=True", "--init_from=resume", nproc=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(read_log(two)[0]) == list(range(1, 9))
 
 
-def test_compiled_hyper_connections_match_eager():
-    """compile_sublayers also compiles the hyper-connections' stream read and write (one graph each for every
-    layer): same loss and gradients as eager, with non-zero dynamic weights."""
-    torch.manual_seed(0)
-    eager = GPT(tiny_cfg(residual="hyper")).to(DEVICE)
-    with torch.no_grad():
-        for hc in eager.hyper:
-            hc.w_alpha.normal_(0, 0.1)
-            hc.w_beta.normal_(0, 0.1)
-    compiled = GPT(tiny_cfg(residual="hyper")).to(DEVICE)
-    compiled.load_state_dict(eager.state_dict())
-    compiled.compile_sublayers()
-    idx = torch.randint(0, 96, (2, 16), device=DEVICE)
-    losses = [m(idx, idx)[1] for m in (eager, compiled)]
-    for loss in losses:
-        loss.backward()
-    assert abs(losses[0].item() - losses[1].item()) < 1e-5
-    assert_grads_close({n: p.grad for n, p in compiled.named_parameters()}, {n: p.grad for n, p in eager.named_parameters()})
+def test_fsdp_delta_and_old_scalar_checkpoints(tmp_path, corpus):
+    """The 8B mid-training path at toy size: a converted delta model under FSDP2 (2 CPU processes, gloo) with
+    per-sublayer activation checkpointing saves and resumes. FSDP2 shards no 0-dim parameters, so the delta gate
+    is shape (1,); a checkpoint from before that change (0-dim alpha and AdamW moments) still loads and resumes."""
+    hf_dir, conv, data, out = (str(tmp_path / n) for n in ("hf", "conv", "data", "run"))
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
+    tok = write_tiny_tokenizer(os.path.join(hf_dir, "tokenizer.json"))
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={conv}", "--num_blocks=2", "--route_heads=4", "--check_batches=1"])
+    prepare_data.prepare(input=corpus, out_dir=data, tokenizer=tok, val_fraction=0.05, max_tokens=30000, workers=1)
+    args = [os.path.join(HERE, "config", "midtrain_8b_delta.py"), f"--data_dir={data}", f"--out_dir={out}",
+            "--block_size=64", "--batch_tokens=256", "--micro_batch=1", "--warmup_steps=2", "--lr_decay_steps=8",
+            "--eval_interval=3", "--eval_tokens=128", "--ema_decay=0.9", "--device=cpu", "--compile=False",
+            "--routing_impl=reference"]
+    dist = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(dist + args + [f"--init_from={conv}", "--max_steps=3"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FSDP2 mixed precision" in r.stdout and "residual=delta" in r.stdout
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["model"]["routes.0.alpha"].shape == (1,) and ckpt["step"] == 3
+    r = subprocess.run(dist + args + ["--init_from=resume", "--max_steps=4"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and sorted(read_log(out)[0]) == [1, 2, 3, 4]
+    # the same checkpoint as an older version wrote it (0-dim gates, moments and EMA), resumed in one process
+    old = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    for part in (old["model"], old["ema"], *old["optimizer"]["state"].values()):
+        for k, v in part.items():
+            if k.endswith(".alpha") or (k in ("exp_avg", "exp_avg_sq") and v.shape == (1,)):
+                part[k] = v.reshape(())
+    assert sum(v.dim() == 0 for v in old["model"].values()) == 8   # one gate per site
+    torch.save(old, os.path.join(out, "ckpt.pt"))
+    model = GPT.from_checkpoint(out)
+    assert model.routes[0].alpha.shape == (1,)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args, "--init_from=resume", "--max_steps=5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(read_log(out)[0]) == [1, 2, 3, 4, 5]
 
 
-# -----------------------------------------------------------------------------
-# delta mode and convert.py (SPEC section 5): tiny checkpoints in Hugging Face layout, written here
-
-import convert  # noqa: E402
-
-HF_CONFIGS = {
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=300, hidden_size=64,
-                  intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=32, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6,
-                  tie_word_embeddings=True, hidden_act="silu", attention_bias=False, torch_dtype="float32"),
-    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=259, hidden_size=64,
-                  intermediate_size=112, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
-                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False,
-                  rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 32, "rope_type": "llama3"},
-                  hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="float32"),
-}
-
-
-def write_hf_checkpoint(path, hf_config, seed=0, shards=2, rope_parameters=False):
-    """Random weights in Hugging Face layout (config.json, sharded safetensors, index); returns the same
-    weights as a model.py baseline, the reference for the conversion."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    cfg = convert.model_config(hf_config, num_blocks=1)
-    torch.manual_seed(seed)
-    base = GPT(GPTConfig.from_dict({**cfg.__dict__, "residual": "baseline"}))
-    with torch.no_grad():   # norms away from 1 so a mis-mapped norm shows
-        for name, p in base.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-    hf_name = {}
-    for hf, ours in convert.NAMES.items():
-        for i in range(cfg.n_layer):
-            hf_name[ours.format(i=i)] = hf.format(i=i)
-    tensors = {hf_name[k]: v.contiguous() for k, v in base.state_dict().items()
-               if not (k == "lm_head.weight" and cfg.tie_embeddings)}
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s::shards]}
-        save_file(part, os.path.join(path, fname))
-        weight_map.update({n: fname for n in part})
-    json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(path, "model.safetensors.index.json"), "w"))
-    hf_config = dict(hf_config)
-    if rope_parameters:   # the layout recent transformers versions write
-        hf_config["rope_parameters"] = {"rope_theta": hf_config.pop("rope_theta"), **(hf_config.pop("rope_scaling", None) or {"rope_type": "default"})}
-    json.dump(hf_config, open(os.path.join(path, "config.json"), "w"))
-    return base
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device (run on a GPU machine)")
+@pytest.mark.parametrize("residual,kw", [("baseline", {}), ("hyper", {}), ("attnres", dict(routing_impl="fused")),
+                                         ("mhar", dict(routing_impl="fused")), ("mhar", dict(routing_impl="reference"))])
+def test_cuda_graph_microstep_matches_eager(residual, kw):
+    """4 optimizer steps of 2 accumulated microbatches: losses and final weights of the graphed and the eager
+    step agree (same kernels; the graphs only remove the host launches). The first microbatch's graph must
+    overwrite the gradients of the previous step, the second's add to them."""
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        m = GPT(tiny_cfg(residual=residual, **kw)).cuda()
+        randomize_routing(m)
+        opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), fused=True)
+        micro = train.GraphedMicrostep(m, autocast, loss_scale=0.5) if graphed else None
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            for k in range(2):
+                x = torch.randint(0, 96, (2, 33), generator=gen).cuda()
+                if micro is not None:
+                    loss = micro(x[:, :-1], x[:, 1:], first=k == 0)
+                else:
+                    with autocast:
+                        _, loss = m(x[:, :-1], x[:, 1:])
+                    (loss * 0.5).backward()
+                losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            if micro is None:   # the graphs' first microbatch overwrites the gradients
+                opt.zero_grad(set_to_none=True)
+        runs.append((losses, [p.detach().float().clone() for p in m.parameters()]))
+    (eager, w_eager), (graph, w_graph) = runs
+    assert np.allclose(eager, graph, rtol=1e-4, atol=1e-4), (eager, graph)
+    assert len(set(round(l, 4) for l in eager)) > 1   # the steps changed the model
+    for a, b in zip(w_graph, w_eager):
+        assert rel_err(a, b) < 1e-4
 
 
-def write_tiny_tokenizer(path):
-    """A byte-level BPE tokenizer.json with <|end_of_text|> (Llama 3's end-of-text name), 257 tokens."""
-    pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=257, special_tokens=["<|end_of_text|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world"], trainer)
-    tok.save(path)
-    return path
+def test_cuda_graph_needs_cuda(tmp_path, data_dir):
+    r = run_train(str(tmp_path / "g"), data_dir, "--max_steps=1", "--device=cpu", "--cuda_graph=True")
+    assert r.returncode != 0 and "--cuda_graph=True needs CUDA and no FSDP" in r.stdout + r.stderr
 
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (run on a several-GPU machine)")
+def test_ddp_cuda_graph_matches_ddp(tmp_path, data_dir):
+    """Under torchrun the graphed step runs without the DDP wrapper and averages the gradients after the graphs
+    (train.py sync_grads): 2 processes with graphs follow 2 processes with DDP (fp32, 2 micro-steps each)."""
+    gpu = ["--device=cuda", "--dtype=float32", "--routing_impl=fused", "--batch_tokens=1024", "--max_steps=8",
+           "--eval_interval=4"]
+    runs = {}
+    for graph in ("False", "True"):
+        out = str(tmp_path / graph)
+        r = run_train(out, data_dir, *gpu, f"--cuda_graph={graph}", nproc=2)
+        assert r.returncode == 0 and "2 processes x 2 micro-steps" in r.stdout, r.stdout + r.stderr
+        runs[graph] = read_log(out)
+    (a, a_eval), (b, b_eval) = runs["False"], runs["True"]
+    assert max(abs(a[s]["loss"] - b[s]["loss"]) for s in a) < 1e-3
+    assert max(abs(a_eval[s]["val_loss"] - b_eval[s]["val_loss"]) for s in a_eval) < 1e-3
+    assert a[8]["loss"] < a[1]["loss"]   # the runs trained
+
+
+# =====================================================================================================================
+# convert.py and delta mode: tiny checkpoints in Hugging Face layout, written here
+# =====================================================================================================================
 
 @pytest.mark.parametrize("arch,rope_parameters", [("qwen3", False), ("llama", False), ("llama", True)])
 def test_convert_is_bitwise_identity(tmp_path, arch, rope_parameters, capsys):
@@ -969,154 +1229,9 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
     assert r.returncode != 0 and "tokenized with 'gpt2'" in r.stderr
 
 
-def corpus_gpt2(tmp_path, corpus):
-    d = str(tmp_path / "gpt2data")
-    prepare_data.prepare(input=corpus, out_dir=d, val_fraction=0.05, max_tokens=20000, workers=1)
-    return d
-
-
-def test_fsdp_two_processes_match_one(tmp_path, data_dir):
-    """FSDP2 (gloo, 2 CPU processes) follows the single-process curve of the same bf16-compute model."""
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    r1 = run_train(one, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=1)
-    r2 = run_train(two, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=2)
-    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stdout + r2.stderr
-    assert "FSDP2 mixed precision" in r2.stdout
-    a, b = read_log(one), read_log(two)
-    assert max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0]) < 2e-2   # bf16 compute, other reduction order
-    assert a[0][6]["loss"] < a[0][1]["loss"]
-    # a checkpoint saved under FSDP resumes (full state dicts on rank 0, broadcast back)
-    r = run_train(two, data_dir, "--max_steps=8", "--eval_interval=3", "--fsdp=True", "--init_from=resume", nproc=2)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(read_log(two)[0]) == list(range(1, 9))
-
-
-def test_fsdp_delta_and_old_scalar_checkpoints(tmp_path, corpus):
-    """The 8B mid-training path at toy size: a converted delta model under FSDP2 (2 CPU processes, gloo) with
-    per-sublayer activation checkpointing saves and resumes. FSDP2 shards no 0-dim parameters, so the delta gate
-    is shape (1,); a checkpoint from before that change (0-dim alpha and AdamW moments) still loads and resumes."""
-    hf_dir, conv, data, out = (str(tmp_path / n) for n in ("hf", "conv", "data", "run"))
-    write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
-    tok = write_tiny_tokenizer(os.path.join(hf_dir, "tokenizer.json"))
-    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={conv}", "--num_blocks=2", "--route_heads=4", "--check_batches=1"])
-    prepare_data.prepare(input=corpus, out_dir=data, tokenizer=tok, val_fraction=0.05, max_tokens=30000, workers=1)
-    args = [os.path.join(HERE, "config", "midtrain_8b_delta.py"), f"--data_dir={data}", f"--out_dir={out}",
-            "--block_size=64", "--batch_tokens=256", "--micro_batch=1", "--warmup_steps=2", "--lr_decay_steps=8",
-            "--eval_interval=3", "--eval_tokens=128", "--ema_decay=0.9", "--device=cpu", "--compile=False",
-            "--routing_impl=reference"]
-    dist = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(dist + args + [f"--init_from={conv}", "--max_steps=3"], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "FSDP2 mixed precision" in r.stdout and "residual=delta" in r.stdout
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    assert ckpt["model"]["routes.0.alpha"].shape == (1,) and ckpt["step"] == 3
-    r = subprocess.run(dist + args + ["--init_from=resume", "--max_steps=4"], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "resumed from" in r.stdout and sorted(read_log(out)[0]) == [1, 2, 3, 4]
-    # the same checkpoint as an older version wrote it (0-dim gates, moments and EMA), resumed in one process
-    old = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    for part in (old["model"], old["ema"], *old["optimizer"]["state"].values()):
-        for k, v in part.items():
-            if k.endswith(".alpha") or (k in ("exp_avg", "exp_avg_sq") and v.shape == (1,)):
-                part[k] = v.reshape(())
-    assert sum(v.dim() == 0 for v in old["model"].values()) == 8   # one gate per site
-    torch.save(old, os.path.join(out, "ckpt.pt"))
-    model = GPT.from_checkpoint(out)
-    assert model.routes[0].alpha.shape == (1,)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args, "--init_from=resume", "--max_steps=5"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(read_log(out)[0]) == [1, 2, 3, 4, 5]
-
-
-@pytest.mark.parametrize("checkpoint", [False, True])
-def test_fused_delta_matches_reference(tmp_path, checkpoint):
-    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
-    write_hf_checkpoint(hf_dir, HF_CONFIGS["qwen3"])
-    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={out}", "--dtype=float32", "--num_blocks=2", "--route_heads=2",
-                  "--check_batches=0", "--tokenizer=gpt2"])
-    models = []
-    gen = torch.Generator().manual_seed(1)
-    for impl in ("reference", "fused"):
-        m = GPT.from_checkpoint(out).to(DEVICE)
-        m.cfg.routing_impl = impl
-        m.checkpoint_sublayers = checkpoint
-        gen.manual_seed(1)
-        with torch.no_grad():   # live routing: alpha, queries and null vectors away from their initial values
-            for site in m.routing_sites():
-                site.alpha.fill_(0.7)
-                site.q.copy_(torch.randn(site.q.shape, generator=gen).to(DEVICE))
-                site.null.copy_(0.3 * torch.randn(site.null.shape, generator=gen).to(DEVICE))
-        models.append(m)
-    idx = torch.randint(0, 300, (2, 37), device=DEVICE)
-    outs = []
-    for m in models:
-        logits, loss = m(idx, idx)
-        loss.backward()
-        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
-    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
-    for name, grad in outs[0][1].items():
-        assert rel_err(outs[1][1][name].double(), grad.double()) < 1e-4, name
-
-
-# -----------------------------------------------------------------------------
+# =====================================================================================================================
 # eval.py: every metric against a direct, unbatched computation in the test
-
-import eval as evaluate  # noqa: E402
-
-EVAL = os.path.join(SHARED, "eval")
-
-
-@pytest.fixture(scope="session")
-def eval_ckpt(tmp_path_factory):
-    """Tiny MHAR (H = 2) and attention-residual (H = 1) checkpoints with the GPT-2 tokenizer, live routing."""
-    paths = {}
-    for residual, H in (("mhar", 2), ("attnres", 1)):
-        torch.manual_seed(3)
-        cfg = GPTConfig(vocab_size=50304, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64,
-                        block_size=32, residual=residual, route_heads=H)
-        model = GPT(cfg)
-        with torch.no_grad():
-            for site in model.routing_sites():
-                site.q.normal_(0.0, 1.0)
-        out = tmp_path_factory.mktemp(f"eval_{residual}")
-        torch.save({"model": model.state_dict(), "model_config": cfg.__dict__, "step": 0, "tokenizer": "gpt2",
-                    "train_config": {"block_size": 32}}, out / "ckpt.pt")
-        paths[residual] = str(out)
-    return paths
-
-
-@pytest.fixture(scope="session")
-def eval_root(tmp_path_factory):
-    """Small eval sets in --data_root layout: the shared files' first examples (or stand-ins without them)."""
-    root = tmp_path_factory.mktemp("evaldata")
-    wiki = os.path.join(EVAL, "wikitext-2-raw", "wiki.test.raw")
-    text = open(wiki, encoding="utf-8").read()[:400] if os.path.isfile(wiki) else \
-        " = Valkyria Chronicles = \n\n Senjo no Valkyria is a tactical role @-@ playing game developed by Sega . \n" * 3
-    lam = os.path.join(EVAL, "lambada", "lambada_test.jsonl")
-    texts = [json.loads(line)["text"] for line in open(lam)][:3] if os.path.isfile(lam) else \
-        ["She opened the door and saw her brother", "He put the book back on the shelf"]
-    texts.append("The word he could never spell was floccinaucinihilipilification")   # a many-token last word
-    hs = os.path.join(EVAL, "hellaswag", "hellaswag_val.jsonl.xz")
-    rows = [json.loads(line) for line in lzma.open(hs, "rt")][:5] if os.path.isfile(hs) else \
-        [{"ctx": "A man is sitting on a roof. he", "endings": ["is eating.", "starts pulling up roofing.", "flies.", "sings."],
-          "label": 1}] * 3
-    for rel, content in (("wikitext-2-raw/wiki.test.raw", text), ("wikitext-2-raw/wiki.valid.raw", text[::-1]),
-                         ("lambada/lambada_test.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts)),
-                         ("hellaswag/hellaswag_val.jsonl", "".join(json.dumps(r) + "\n" for r in rows))):
-        os.makedirs(os.path.dirname(root / rel), exist_ok=True)
-        (root / rel).write_text(content, encoding="utf-8")
-    return str(root)
-
-
-def direct_logprob(model, ids, target_pos):
-    """log p(ids[t] | ids[:t]) for each t in target_pos, one unbatched forward per call; and greedy hits."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids[:-1]]))[0][0].double()
-    logp = torch.log_softmax(logits, -1)
-    return [logp[t - 1, ids[t]].item() for t in target_pos], [logits[t - 1].argmax().item() == ids[t] for t in target_pos]
-
+# =====================================================================================================================
 
 def test_wikitext_protocol_matches_direct(eval_ckpt, eval_root):
     model, enc = evaluate.load_model(eval_ckpt["mhar"], "cpu")
@@ -1220,25 +1335,9 @@ def test_probe_kl_maps_and_plots(eval_ckpt, eval_root, tmp_path):
     assert os.path.getsize(tmp_path / "c.png") > 1000
 
 
-def test_logits_beside_a_loss_are_detached():
-    """model(idx, targets) returns the logits detached (the loss carries the gradient), so a compiled head never
-    fills a zero gradient for the whole (B, T, vocab) logits in backward; model(idx) keeps them differentiable."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=64, ffn_hidden=128, block_size=32, vocab_size=500))
-    idx = torch.randint(0, 500, (2, 32))
-    logits, loss = model(idx, idx)
-    assert loss.requires_grad and not logits.requires_grad
-    assert model(idx)[0].requires_grad
-    model.compile_sublayers()
-    for _ in range(2):   # compile, then a clean step
-        model(idx, idx)[1].backward()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        model(idx, idx)[1].backward()
-    fills = [e.input_shapes for e in prof.key_averages(group_by_input_shape=True)
-             if e.key in ("aten::zero_", "aten::fill_", "aten::zeros") and [2, 32, 500] in e.input_shapes]
-    assert not fills, f"a (B, T, vocab) fill in the compiled step: {fills}"
-
+# =====================================================================================================================
+# bench.py
+# =====================================================================================================================
 
 def test_bench_smoke(tmp_path):
     """bench.py end to end on a tiny shape: every variant runs, the JSON holds the table's fields."""
@@ -1247,7 +1346,6 @@ def test_bench_smoke(tmp_path):
                         "--warmup=1", "--compile=False", f"--output={out}"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.load(open(out))["rows"]
-    import bench
     assert [row["variant"] for row in rows] == list(bench.VARIANTS)
     assert all(row["tok_s"] > 0 and math.isfinite(row["loss"]) for row in rows)
     assert "| baseline | 1.00x" in r.stdout
@@ -1255,124 +1353,19 @@ def test_bench_smoke(tmp_path):
     assert r.returncode != 0 and "unknown scale/variant ['2b']" in r.stderr
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_chunked_cross_entropy_matches_full_logits(tied):
-    """The chunked training loss: same loss and gradients as the full-logits path (z-loss, ignored targets,
-    a partial last chunk), and train.py's option runs."""
-    cfg = GPTConfig(vocab_size=96, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64, block_size=16,
-                    residual="mhar", tie_embeddings=tied)
-    torch.manual_seed(0)
-    a = GPT(cfg)
-    b = GPT(cfg)
-    b.load_state_dict(a.state_dict())
-    idx = torch.randint(0, 96, (2, 13))
-    tgt = torch.randint(0, 96, (2, 13))
-    tgt[0, :3] = -1
-    results = []
-    for m, chunk in ((a, 0), (b, 7)):
-        m.z_loss, m.chunked_ce = 1e-2, chunk
-        logits, loss = m(idx, tgt)
-        loss.backward()
-        results.append((logits, loss, {n: p.grad for n, p in m.named_parameters()}))
-    assert results[1][0] is None and abs(results[0][1].item() - results[1][1].item()) < 1e-6
-    for name, grad in results[0][2].items():
-        assert rel_err(results[1][2][name].double(), grad.double()) < 1e-5, name
-    with torch.no_grad():   # evaluation keeps the logits
-        assert b(idx, tgt)[0].shape == (2, 13, 96)
+def test_tune_candidates_cover_the_configs():
+    """bench.py routing --tune / --tune-train can find every config shipped (else a retune silently drops a best)."""
+    kernels = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead")
+    used = {getattr(rk.DEFAULT, k) for k in kernels} | {v for w in rk.TUNED_H200.values() for k, v in w.items()
+                                                        if k in kernels and v is not None}
+    assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
 
 
-def test_chunked_cross_entropy_compiled_chunk_matches_eager():
-    """GPT.compile_sublayers compiles the per-chunk loss and gradient (model.ce_chunk_grad), which runs inside the
-    chunk loop that torch.compile skips: the compiled chunk gives the eager chunk's loss and gradients."""
-    from model import ce_chunk_grad, chunked_cross_entropy
-    torch.manual_seed(0)
-    x0, w0 = torch.randn(21, 16), torch.randn(40, 16) * 0.3
-    tgt = torch.randint(0, 40, (21,))
-    tgt[:4] = -1
-    out = []
-    for fn in (ce_chunk_grad, torch.compile(ce_chunk_grad)):
-        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
-        loss = chunked_cross_entropy(x, w, tgt, 7, 1e-2, fn)   # 3 chunks of 7 tokens: one compiled graph
-        loss.backward()
-        out.append((loss, x.grad, w.grad))
-    logits = x0 @ w0.t()
-    full = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=-1) + 1e-2 * torch.logsumexp(logits, -1).pow(2).mean()
-    assert abs(out[0][0].item() - full.item()) < 1e-5
-    for a, b in zip(out[0], out[1]):
-        assert rel_err(b.double(), a.double()) < 1e-5
-
-
-def test_train_with_chunked_cross_entropy(tmp_path, data_dir):
-    r = run_train(str(tmp_path / "ce"), data_dir, "--max_steps=3", "--eval_interval=3", "--chunked_ce=100")
+def test_bench_routing_checks_on_cpu():
+    """bench.py routing without a GPU runs its correctness check (fused against the reference, fp32, an awkward
+    shape) in Triton's interpreter; the timing tables need CUDA."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "routing", "--device=cpu"], capture_output=True,
+                       text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    steps, evals = read_log(str(tmp_path / "ce"))
-    assert sorted(steps) == [1, 2, 3] and all(math.isfinite(s["loss"]) for s in steps.values()) and 3 in evals
-
-
-# -----------------------------------------------------------------------------
-# CUDA-graph training step (train.py --cuda_graph, bench.py): the same optimisation as the eager step
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device (run on a GPU machine)")
-@pytest.mark.parametrize("residual,kw", [("baseline", {}), ("hyper", {}), ("attnres", dict(routing_impl="fused")),
-                                         ("mhar", dict(routing_impl="fused")), ("mhar", dict(routing_impl="reference")),
-                                         ("mhar", dict(routing_impl="fused", chunked_ce=24))])
-def test_cuda_graph_microstep_matches_eager(residual, kw):
-    """4 optimizer steps of 2 accumulated microbatches: losses and final weights of the graphed and the eager
-    step agree (same kernels; the graphs only remove the host launches). The first microbatch's graph must
-    overwrite the gradients of the previous step, the second's add to them."""
-    kw = dict(kw)
-    chunk = kw.pop("chunked_ce", 0)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-    runs = []
-    for graphed in (False, True):
-        torch.manual_seed(0)
-        m = GPT(tiny_cfg(residual=residual, **kw)).cuda()
-        randomize_routing(m)
-        m.chunked_ce = chunk
-        opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), fused=True)
-        micro = train.GraphedMicrostep(m, autocast, loss_scale=0.5) if graphed else None
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(4):
-            for k in range(2):
-                x = torch.randint(0, 96, (2, 33), generator=gen).cuda()
-                if micro is not None:
-                    loss = micro(x[:, :-1], x[:, 1:], first=k == 0)
-                else:
-                    with autocast:
-                        _, loss = m(x[:, :-1], x[:, 1:])
-                    (loss * 0.5).backward()
-                losses.append(loss.item())
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
-            if micro is None:   # the graphs' first microbatch overwrites the gradients
-                opt.zero_grad(set_to_none=True)
-        runs.append((losses, [p.detach().float().clone() for p in m.parameters()]))
-    (eager, w_eager), (graph, w_graph) = runs
-    assert np.allclose(eager, graph, rtol=1e-4, atol=1e-4), (eager, graph)
-    assert len(set(round(l, 4) for l in eager)) > 1   # the steps changed the model
-    for a, b in zip(w_graph, w_eager):
-        assert rel_err(a, b) < 1e-4
-
-
-def test_cuda_graph_needs_cuda(tmp_path, data_dir):
-    r = run_train(str(tmp_path / "g"), data_dir, "--max_steps=1", "--device=cpu", "--cuda_graph=True")
-    assert r.returncode != 0 and "--cuda_graph=True needs CUDA and no FSDP" in r.stdout + r.stderr
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (run on a several-GPU machine)")
-def test_ddp_cuda_graph_matches_ddp(tmp_path, data_dir):
-    """Under torchrun the graphed step runs without the DDP wrapper and averages the gradients after the graphs
-    (train.py sync_grads): 2 processes with graphs follow 2 processes with DDP (fp32, 2 micro-steps each)."""
-    gpu = ["--device=cuda", "--dtype=float32", "--routing_impl=fused", "--batch_tokens=1024", "--max_steps=8",
-           "--eval_interval=4"]
-    runs = {}
-    for graph in ("False", "True"):
-        out = str(tmp_path / graph)
-        r = run_train(out, data_dir, *gpu, f"--cuda_graph={graph}", nproc=2)
-        assert r.returncode == 0 and "2 processes x 2 micro-steps" in r.stdout, r.stdout + r.stderr
-        runs[graph] = read_log(out)
-    (a, a_eval), (b, b_eval) = runs["False"], runs["True"]
-    assert max(abs(a[s]["loss"] - b[s]["loss"]) for s in a) < 1e-3
-    assert max(abs(a_eval[s]["val_loss"] - b_eval[s]["val_loss"]) for s in a_eval) < 1e-3
-    assert a[8]["loss"] < a[1]["loss"]   # the runs trained
+    m = re.search(r"check N=5 .* out (\S+) d_source0 (\S+) dq (\S+) dg (\S+)", r.stdout)
+    assert m and all(float(v) < 1e-5 for v in m.groups()), r.stdout

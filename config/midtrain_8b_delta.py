@@ -1,4 +1,4 @@
-# The paper's 8B mid-training (SPEC section 5): Marin-8B (Llama-3.1 architecture) grafted with MHAR delta
+# The paper's 8B mid-training (section 3.3, Appendix I): Marin-8B (Llama-3.1 architecture) grafted with MHAR delta
 # routing (H = 8 heads, 8 blocks of 4 layers), then trained on. Steps:
 #   python convert.py --hf_dir=path/to/marin-8b --out_dir=out/marin8b_delta
 #   python prepare_data.py --tokenizer=out/marin8b_delta/tokenizer.json --max_tokens=1e10 --out_dir=data/fineweb_edu_llama3

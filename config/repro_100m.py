@@ -1,7 +1,7 @@
-# The reduced-budget reproduction of issue 7 (one H200): the 100M architecture of paper Table 1 on the offline
+# The reduced-budget reproduction on one H200 (results/repro_100m): the 100M architecture of paper Table 1 on the offline
 # books+Wikipedia corpus, 2,000 steps of 32 x 1024 tokens (65.5M tokens, ~2.1 epochs of its 30.5M train tokens).
-#   python prepare_data.py --input=../shared/data/text/books_wiki_en_train.jsonl.xz \
-#       --val_input=../shared/data/text/books_wiki_en_val.jsonl.xz --out_dir=data/books_wiki
+#   python prepare_data.py --input=BOOKS_WIKI/books_wiki_en_train.jsonl.xz \
+#       --val_input=BOOKS_WIKI/books_wiki_en_val.jsonl.xz --out_dir=data/books_wiki      (any local jsonl works)
 #   python train.py config/repro_100m.py --residual=mhar --seed=0 --out_dir=out/repro/mhar_s0
 # Modes: baseline | hyper | attnres | mhar (add --route_heads=H for the head sweep). The seed fixes the
 # initialisation and the data order; both are the same across modes for a seed (the residual mechanism's

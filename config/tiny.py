@@ -1,5 +1,5 @@
 # A two-minute CPU run (2 cores: ~1.3 s/step, 100 steps) on any prepare_data.py output: proves the pipeline and shows a falling loss.
-# python prepare_data.py --input=../shared/data/text/books_wiki_en_val.jsonl.xz --out_dir=data/tiny
+# python prepare_data.py --input=docs.jsonl.xz --out_dir=data/tiny   (any local jsonl / txt / parquet)
 # python train.py config/tiny.py --data_dir=data/tiny --residual=mhar
 data_dir = "data/tiny"
 out_dir = "out/tiny"
