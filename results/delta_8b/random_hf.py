@@ -1,5 +1,5 @@
 """Write a randomly initialised Llama-3.1-8B-shaped checkpoint in Hugging Face layout (config.json, 4 safetensors
-shards, index), bf16, N(0, 0.02) weights, norms 1: the input of issue 4's H200 acceptance run (no download
+shards, index), bf16, N(0, 0.02) weights, norms 1: the input of the 8B conversion and training run (no download
 is possible on that machine). Usage: python results/delta_8b/random_hf.py OUT_DIR"""
 import json
 import os

@@ -1,5 +1,5 @@
 """
-DDP parity of two train.py logs of the same config (issue 8): per-step training loss and per-eval validation loss
+DDP parity of two train.py logs of the same config: per-step training loss and per-eval validation loss
 of run A (1 GPU) and run B (N GPUs, same global batch), and B's scaling efficiency when N is given. Two 1-GPU
 runs (again, or another micro_batch) give the noise floor that the N-GPU difference is judged against.
 

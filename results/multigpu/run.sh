@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 8 on one host with N GPUs (default: all of them). NVLink multicast stays off (shared hosts).
+# Several GPUs of one host (N, default: all of them). NVLink multicast stays off (shared hosts).
 #   bash results/multigpu/run.sh ddp           # 100M MHAR, 200 steps on 1 GPU and on N GPUs, same global batch
 #   GRAPH=1 bash results/multigpu/run.sh ddp   # the same with --cuda_graph=True (STEPS=100: a shorter horizon)
 #   bash results/multigpu/run.sh fsdp          # random Llama-3.1-8B -> delta form -> 20 FSDP2 steps, checkpoint

@@ -1,5 +1,5 @@
 """
-Tables and plots of the issue-7 reproduction from the run logs in logs/ (NAME.log.jsonl, NAME = MODE_sSEED[_hH]).
+Tables and plots of the reduced-budget reproduction from the run logs in logs/ (NAME.log.jsonl, NAME = MODE_sSEED[_hH]).
 
   python results/repro_100m/report.py          # prints the markdown tables, writes val_curves.png and h_sweep.png
 
