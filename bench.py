@@ -483,6 +483,7 @@ def routing_main(argv):
     p.add_argument("--check-large", action="store_true", help="also check 2^21 tokens x d 1024 (64-bit offsets)")
     p.add_argument("--delta", action="store_true", help="time the per-call kernels at an 8B delta model's shape, then exit")
     p.add_argument("--cpu-profile", action="store_true", help="where the eager chain's host time goes (100M shape)")
+    p.add_argument("--check-only", action="store_true", help="only the correctness checks, then exit")
     p.add_argument("--output", default="routing_bench.json", help="results JSON")
     args = p.parse_args(argv)
     device = args.device
@@ -495,7 +496,7 @@ def routing_main(argv):
     for N, B, T, d, H, dtype in shapes:
         errs = check_against_reference(N, B, T, d, H, dtype, device)
         print(f"check N={N} B={B} T={T} d={d} H={H} {str(dtype):15s} " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
-    if not device.startswith("cuda"):
+    if not device.startswith("cuda") or args.check_only:
         return None
     if args.check_large:
         print("check 2^21 tokens:", check_large(device), flush=True)
