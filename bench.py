@@ -278,8 +278,10 @@ def run_chain(route_site, source0, n_sites, sublayer):
     return x
 
 
-def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=None, seed=0):
-    """A closure running one chain forward + backward (bf16 sources, the sublayer x + shift: one add per site)."""
+def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=None, seed=0, authors=None):
+    """A closure running one chain forward + backward (bf16 sources, the sublayer x + shift: one add per site): impl
+    "fused" (routing_kernel.FusedRouter), "authors" (the authors' fused kernel, `authors` its module: load_authors),
+    else the reference route_fn over the stacked history."""
     gen = torch.Generator(device=device).manual_seed(seed)
     src = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
     qs = [(torch.randn(d, device=device, generator=gen) * 0.5).requires_grad_(True) for _ in range(N)]
@@ -292,11 +294,16 @@ def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=Non
         if impl == "fused":
             chain = router.start(src, qs, gs)
             out = run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), src, N, lambda j, x: x + shift)
+        elif impl == "authors":   # their context: a source buffer per pass; one launch per site forward, one backward
+            ctx = authors.MHARFusedContext(N, src)
+            out = run_chain(lambda j, x: authors._FusedMHARFn.apply(x, qs[j - 1], gs[j - 1], ctx, H, 1e-6), src, N,
+                            lambda j, x: x + shift)
         else:
             hist = []
             out = run_chain(lambda j, x: hist.append(x) or route_fn(torch.stack(hist), qs[j - 1], gs[j - 1], H), src, N,
                             lambda j, x: x + shift)
         out.backward(up)
+        step.out = out.detach()
     step.router = router
     return step
 
@@ -434,9 +441,85 @@ def profile_chain(N, B, T, d, H, device, config=None):
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if t > 0:
-            key = next((k for k in ("_chain_fwd", "_chain_bwd_site", "_chain_bwd_pairs", "_chain_bwd_gather") if k in e.key), "other")
+            key = next((k for k in ("_chain_fwd", "_chain_bwd_site", "_chain_bwd_gather") if k in e.key), "other")
             total[key] = total.get(key, 0.0) + t / 1e3
     return {k: round(v, 3) for k, v in sorted(total.items())}
+
+
+def load_authors(path):
+    """The authors' fused routing (their repository's Attention-Residuals/mhar_triton.py), from a copy the user keeps:
+    this repository does not ship it."""
+    import importlib.util
+    if not os.path.isfile(path):
+        sys.exit(f"bench.py routing: --authors={path}: no such file; pass your copy of the authors' mhar_triton.py")
+    spec = importlib.util.spec_from_file_location("authors_mhar_triton", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = [name for name in ("MHARFusedContext", "_FusedMHARFn") if not hasattr(module, name)]
+    if missing:
+        sys.exit(f"bench.py routing: --authors={path} has no {', '.join(missing)}: not the authors' mhar_triton.py")
+    return module
+
+
+def side_by_side(authors, device, copy_bw, rounds=3):
+    """Our chain and the authors' on the same inputs in this process, at every CHAIN_SHAPES shape: eager wall time
+    (the two timed alternately, `rounds` times each, medians), CUDA-graph GPU time, peak memory, and the fraction of
+    the bandwidth bound each reaches (3 reads per source-site pair and channel at this run's copy bandwidth)."""
+    from triton.testing import do_bench
+    rows = []
+    for name, L, d, H, B, T in CHAIN_SHAPES:
+        N = 2 * L + 1
+        bound_ms = 3 * N * (N + 1) // 2 * B * T * d * 2 / copy_bw / 1e6
+        steps = {impl: chain_step(impl, N, B, T, d, H, device, authors=authors) for impl in ("fused", "authors")}
+        row, eager = dict(shape=name, bound_ms=bound_ms), {impl: [] for impl in steps}
+        for impl, step in steps.items():
+            step()
+            step.router.chain = None   # our chain's buffers count in the peak, as the authors' per-pass buffer does
+            row[f"{impl}_peak_gb"] = _peak_gb(step)
+            row[f"{impl}_graph_ms"] = do_bench(graphed(step), warmup=50, rep=300, return_mode="median")
+        out = {impl: step.out.float() for impl, step in steps.items()}
+        row["out_rel_diff"] = ((out["fused"] - out["authors"]).abs().max() / out["authors"].abs().max()).item()
+        for _ in range(rounds):
+            for impl, step in steps.items():
+                eager[impl].append(do_bench(step, warmup=25, rep=200, return_mode="median"))
+        for impl in steps:
+            row[f"{impl}_eager_ms"] = sorted(eager[impl])[rounds // 2]
+            row[f"{impl}_eager_all"] = eager[impl]
+        rows.append(row)
+        print(f"{name:11s} | eager {row['fused_eager_ms']:6.2f} / {row['authors_eager_ms']:6.2f} ms = "
+              f"{row['authors_eager_ms'] / row['fused_eager_ms']:4.2f}x | graph {row['fused_graph_ms']:6.2f} / "
+              f"{row['authors_graph_ms']:6.2f} ms = {row['authors_graph_ms'] / row['fused_graph_ms']:4.2f}x | peak "
+              f"{row['fused_peak_gb']:.2f} / {row['authors_peak_gb']:.2f} GB | of bound (graph) "
+              f"{100 * bound_ms / row['fused_graph_ms']:4.1f}% / {100 * bound_ms / row['authors_graph_ms']:4.1f}% | "
+              f"outputs differ by {row['out_rel_diff']:.1e} of max", flush=True)
+    return rows
+
+
+def host_profile(device, steps=20):
+    """Where the eager chain's host time goes: the host time to queue one chain forward + backward at every shape
+    (median of `steps`, the GPU drained before each), per site; then a Python profile of the 100M Table 5 chain."""
+    import cProfile
+    import pstats
+    for name, L, d, H, B, T in CHAIN_SHAPES:
+        N = 2 * L + 1
+        step = chain_step("fused", N, B, T, d, H, device)
+        times = []
+        for i in range(steps + 3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        ms = sorted(times[3:])[steps // 2] * 1e3
+        print(f"host {name:11s} {ms:6.2f} ms to queue one chain = {1e3 * ms / N:5.0f} us per site", flush=True)
+        if name == "100M":
+            prof = cProfile.Profile()
+            torch.cuda.synchronize()
+            prof.enable()
+            for _ in range(5):
+                step()
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES):
@@ -451,7 +534,7 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES)
         for kernel in kernels:
             results, seen = [], set()
             for cand in candidates + ([None] if kernel.endswith("_lead") else []):
-                key = cand[:2] if kernel == "pairs" and cand else cand   # the pair pass has no loop: stages unused
+                key = cand[:1] if kernel == "pairs" and cand else cand   # the pair pass runs in the gather: its tile only
                 if key in seen:
                     continue
                 seen.add(key)
@@ -482,8 +565,11 @@ def routing_main(argv):
                    help="tune each width's settings at its training microbatch, lead kernels included")
     p.add_argument("--check-large", action="store_true", help="also check 2^21 tokens x d 1024 (64-bit offsets)")
     p.add_argument("--delta", action="store_true", help="time the per-call kernels at an 8B delta model's shape, then exit")
-    p.add_argument("--cpu-profile", action="store_true", help="where the eager chain's host time goes (100M shape)")
+    p.add_argument("--cpu-profile", action="store_true",
+                   help="where the eager chain's host time goes (host time per site, a Python profile), then exit")
     p.add_argument("--check-only", action="store_true", help="only the correctness checks, then exit")
+    p.add_argument("--authors", metavar="PATH", help="side by side with the authors' fused kernel (your copy of their "
+                   "mhar_triton.py): eager and CUDA-graph time, memory, fraction of the bandwidth bound; then exit")
     p.add_argument("--output", default="routing_bench.json", help="results JSON")
     args = p.parse_args(argv)
     device = args.device
@@ -509,7 +595,13 @@ def routing_main(argv):
     print(header)
     del x, y
     rows = []
-    if args.delta:
+    if args.authors:
+        print("side by side, ours / the authors' (same inputs, this process); x = how many times faster ours is",
+              flush=True)
+        rows = side_by_side(load_authors(args.authors), device, copy_bw)
+    elif args.cpu_profile:
+        host_profile(device)
+    elif args.delta:
         for impl in ("fused", "reference-ckpt"):
             t, mem = time_delta(impl, device)
             rows.append(dict(shape="8B-delta", impl=impl, ms=t, peak_gb=mem))
@@ -522,16 +614,6 @@ def routing_main(argv):
             if any(k not in CHAIN_KERNELS for k in kernels):
                 sys.exit(f"bench.py routing: --tune[-train]=KERNEL[,KERNEL]: one of {', '.join(CHAIN_KERNELS)}")
             tune_configs(kernels, [s for s in CHAIN_SHAPES if s[0].endswith("train") == per_shape], per_shape, device)
-        if args.cpu_profile:
-            from torch.profiler import ProfilerActivity, profile
-            step = chain_step("fused", 25, 2, 2048, 512, 4, device)
-            step()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(3):
-                    step()
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
         ref_compiled = torch.compile(route_reference, dynamic=True)
         for name, L, d, H, B, T in CHAIN_SHAPES:
             N = 2 * L + 1

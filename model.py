@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 RESIDUAL_MODES = ("baseline", "hyper", "attnres", "mhar", "delta")
-ROUTING_IMPLS = ("reference", "fused")
+ROUTING_IMPLS = ("auto", "fused", "reference")
 
 
 @dataclass
@@ -46,7 +46,7 @@ class GPTConfig:
     num_blocks: int = 8            # delta: the layers form num_blocks blocks; completed block deltas are sources
     hc_streams: int = 4            # hyper-connections: number of residual streams n
     hc_dynamic: bool = True        # hyper-connections: dynamic (DHC) or static (SHC) connection weights
-    routing_impl: str = "reference"  # reference (plain PyTorch) | fused (Triton, routing_kernel.py)
+    routing_impl: str = "auto"     # auto: fused where it runs (CUDA + Triton), else reference | fused | reference
 
     def __post_init__(self):
         def bad(msg):
@@ -308,7 +308,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    _warned_fallback = False   # the fused path's fallback line prints once per process
+    _said = set()   # the routing path's one-line notes, each printed once per process
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -330,7 +330,7 @@ class GPT(nn.Module):
         self.reset_buffers()
         self._route = route_reference        # the reference routing (compiled by compile_sublayers)
         self._head = self._head_impl
-        self._paths = {}                     # device type -> "fused" | "reference", decided at the first forward there
+        self._paths = {}                     # (device type, dtype) -> "fused" | "reference": routing_path
         self._router = None                  # routing_kernel.FusedRouter, made on the first fused forward
         self.routing_config = None           # routing_kernel.RoutingConfig for the fused kernels (None: config_for)
         self.routing_observer = None         # called as (site, stacked sources) at every reference-routed site
@@ -420,7 +420,7 @@ class GPT(nn.Module):
         """A DepthHistory for one forward pass: the fused chain where it can run (and alpha is not recorded), else
         the reference list."""
         sites = self.routing_sites()
-        if routing is None and self._routing_path(x.device) == "fused":
+        if routing is None and self.routing_path(x.device, x.dtype) == "fused":
             if self._router is None:
                 from routing_kernel import FusedRouter
                 self._router = FusedRouter(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps, self.routing_config)
@@ -442,7 +442,7 @@ class GPT(nn.Module):
         and sublayer k reads x + alpha_k * route_k(null_k, embedding, completed block deltas), a block delta being
         the stream at a block's end minus the stream at its start. alpha = 0: the pretrained model, bitwise."""
         per_block = 2 * self.cfg.n_layer // self.cfg.num_blocks   # sublayers per block
-        fused = routing is None and self._routing_path(x.device) == "fused"
+        fused = routing is None and self.routing_path(x.device, x.dtype) == "fused"
         history, start = [x], x                                    # embedding; stream at the block's start
         for k, (site, sub) in enumerate(zip(self.routing_sites(), self.sublayers())):
             if k and k % per_block == 0:                           # a block just completed: its delta is a source
@@ -471,24 +471,45 @@ class GPT(nn.Module):
         # sources live in the activation dtype: bf16 under autocast, else the embedding's dtype
         return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
-    def _routing_path(self, device):
-        """Which routing runs on `device`, "fused" (routing_kernel.py) or "reference": chosen once per device type, at
-        the first forward there (a model is built before it is moved). A fused request that cannot run falls back
-        with one line."""
-        if self.cfg.routing_impl != "fused":
+    def routing_path(self, device, dtype=torch.float32):
+        """Which routing runs for sources of `dtype` on `device`: "fused" (routing_kernel.py) or "reference". With
+        routing_impl="auto" (the default), the fused kernels wherever they can run: CUDA with Triton, a head width
+        and dtype inside their envelope; a note says which the first time. "fused" asks for them (also on a CPU
+        under TRITON_INTERPRET=1) and falls back loudly where they cannot run. Chosen once per device type and dtype,
+        at the first forward there (a model is built before it is moved)."""
+        impl, key = self.cfg.routing_impl, (torch.device(device).type, dtype)
+        if impl == "reference" or self.cfg.residual not in ("attnres", "mhar", "delta"):
             return "reference"
-        if device.type not in self._paths:
+        if key not in self._paths:
             import routing_kernel
-            ok = routing_kernel.available(device)
-            if not ok and not GPT._warned_fallback:
-                GPT._warned_fallback = True
-                why = "Triton is not installed" if routing_kernel.triton is None else \
-                    f"the model is on {device.type} (the kernels need CUDA, or TRITON_INTERPRET=1 on a CPU)"
-                print(f"*** routing_impl='fused' cannot run: {why}. Using the reference routing instead: slower "
-                      "(every site re-stacks the depth history) and O(L^2) activation memory. Set "
-                      "routing_impl='reference' to silence this. ***", file=sys.stderr)
-            self._paths[device.type] = "fused" if ok else "reference"
-        return self._paths[device.type]
+            why = None
+            if routing_kernel.triton is None:
+                why = "Triton is not installed"
+            elif key[0] != "cuda" and not (impl == "fused" and routing_kernel.available(key[0])):
+                why = f"the model is on {key[0]} (the kernels need CUDA" + \
+                    (", or TRITON_INTERPRET=1 on a CPU)" if impl == "fused" else ")")
+            elif impl == "auto":
+                try:
+                    routing_kernel.check_envelope(self.cfg.n_embd, self.cfg.heads, dtype)
+                except ValueError as e:
+                    why = str(e).removeprefix("fused routing: ").split("; use")[0]
+            self._paths[key] = "reference" if why else "fused"
+            if impl == "fused" and why:
+                self._say(f"*** routing_impl='fused' cannot run: {why}. Using the reference routing instead: slower "
+                          "(every site re-stacks the depth history) and O(L^2) activation memory. Set "
+                          "routing_impl='reference' to silence this. ***")
+            elif impl == "auto":
+                self._say(f"routing (routing_impl='auto'): the fused Triton kernels on {key[0]}" if not why else
+                          f"routing (routing_impl='auto'): the reference PyTorch routing, since {why}")
+        return self._paths[key]
+
+    @staticmethod
+    def _say(line):
+        """One line on stderr, once per process (rank 0 under torchrun)."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        if line not in GPT._said and rank == 0:
+            GPT._said.add(line)
+            print(line, file=sys.stderr, flush=True)
 
     # -------------------------------------------------------------------------
 

@@ -47,7 +47,9 @@ MODES = ("baseline", "hyper", "attnres", "mhar")
 # =====================================================================================================================
 
 def tiny_cfg(**kw):
-    base = dict(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=48, ffn_hidden=64)
+    # routing_impl: the reference unless a test asks (the default, auto, would take the fused chain on a GPU machine)
+    base = dict(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=48, ffn_hidden=64,
+                routing_impl="reference")
     base.update(kw)
     return GPTConfig(**base)
 
@@ -613,6 +615,22 @@ def test_fused_routing_announces_its_config():
     assert "launch config 'H200 d=512 H=4'" in lines[1] and "stored_logits=True" in lines[1]
 
 
+@pytest.mark.skipif(DEVICE != "cuda" or not rk.DIRECT_OK, reason="direct launches: CUDA and Triton >= 3.4 only")
+def test_fused_direct_launches_match_tritons():
+    """After a launch key's first launch, RoutingChain._launch calls the compiled kernel's launcher itself: the chain's
+    output and every gradient are bitwise those of Triton's own launch path (leading and following sites included)."""
+    gen = torch.Generator().manual_seed(5)
+    N, B, T, d, H = 13, 2, 40, 128, 4
+    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
+    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
+    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
+    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
+    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
+    runs = [chain_grads("fused", src0, qs, gs, shift, up, H, torch.bfloat16, rk.RoutingConfig(direct=direct, lead_min=2))
+            for direct in (False, True)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("split", [1, 3, 4])   # 74 tokens, 16 per block: 5 partial rows in chunks of 5, 2 + 2 + 1, 2 + 2 + 1 + 0
 def test_fused_routing_dw_reduction_split(split):
     """The gather reduces the site pass's dw partials in two levels (`reducers` first-level programs per head, the
@@ -1075,9 +1093,58 @@ def test_cuda_graph_microstep_matches_eager(residual, kw):
         assert rel_err(a, b) < 1e-4
 
 
-def test_cuda_graph_needs_cuda(tmp_path, data_dir):
-    r = run_train(str(tmp_path / "g"), data_dir, "--max_steps=1", "--device=cpu", "--cuda_graph=True")
-    assert r.returncode != 0 and "--cuda_graph=True needs CUDA and no FSDP" in r.stdout + r.stderr
+def test_cpu_run_with_defaults_says_why_graphs_and_fused_routing_are_off(tmp_path, data_dir):
+    """The defaults (cuda_graph=True, routing_impl='auto') are the fast path on a GPU; on a CPU the run still works,
+    and one line each says why graphs are off and which routing runs."""
+    r = run_train(str(tmp_path / "g"), data_dir, "--max_steps=1", "--device=cpu")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "CUDA graphs: off (they need CUDA, the device is cpu)" in out
+    assert out.count("routing (routing_impl='auto'): the reference PyTorch routing, since the model is on cpu") == 1
+    assert "reference routing, routing_impl=auto" in out
+
+
+def test_graph_plan():
+    """Where CUDA graphs apply (train.graph_plan): CUDA without FSDP, unless --cuda_graph=False; else why not."""
+    assert train.graph_plan(True, "cuda:0", False)[0] is True
+    for args, why in [((True, "cuda:0", True), "FSDP"), ((True, "cpu", False), "need CUDA"),
+                      ((False, "cuda:0", False), "--cuda_graph=False")]:
+        on, reason = train.graph_plan(*args)
+        assert on is False and why in reason, reason
+
+
+def test_auto_routing_picks_reference_on_cpu_and_says_so(capsys):
+    """routing_impl='auto' (the default) takes the reference routing on a CPU, even under TRITON_INTERPRET=1 (the
+    interpreter is for tests), and says so once; explicit 'fused' runs the kernels there under the interpreter."""
+    GPT._said.clear()
+    m = GPT(tiny_cfg(routing_impl="auto"))
+    assert m.cfg.routing_impl == "auto" and GPTConfig.routing_impl == "auto"
+    assert m.routing_path("cpu") == "reference" and m.routing_path("cpu") == "reference"
+    assert capsys.readouterr().err.count("routing (routing_impl='auto'): the reference PyTorch routing, since the "
+                                         "model is on cpu") == 1
+    if rk.available("cpu"):
+        assert GPT(tiny_cfg(routing_impl="fused")).routing_path("cpu") == "fused"
+    if torch.cuda.is_available() and rk.triton is not None:
+        assert m.routing_path("cuda") == "fused"
+        assert GPT(tiny_cfg(routing_impl="auto", n_embd=48, route_heads=4)).routing_path("cuda") == "reference"   # D 12
+        assert "head width d/H = 48/4 = 12 is below 16" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device (run on a GPU machine)")
+def test_cuda_graph_capture_failure_is_reported_and_undone():
+    """A model that cannot be captured (here: a host sync in forward) raises GraphCaptureError, with the
+    gradients as before the attempt, so that train.py can run the microbatch eagerly and say why."""
+    m = GPT(tiny_cfg(residual="baseline")).cuda()
+    forward = m.forward
+    m.forward = lambda *a, **k: (forward(*a, **k)[0], forward(*a, **k)[1] + 0 * float(m.wte.weight[0, 0].item()))
+    micro = train.GraphedMicrostep(m, torch.autocast("cuda", dtype=torch.bfloat16), warmup=1)
+    x = torch.randint(0, 96, (2, 16), device="cuda")
+    with pytest.raises(train.GraphCaptureError, match="capturing the graph of the first microbatch failed"):
+        micro(x, x)
+    assert all(p.grad is None for p in m.parameters())
+    _, loss = m(x, x)   # eager work goes on
+    loss.backward()
+    assert torch.isfinite(loss)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (run on a several-GPU machine)")
@@ -1359,6 +1426,16 @@ def test_tune_candidates_cover_the_configs():
     used = {getattr(rk.DEFAULT, k) for k in kernels} | {v for w in rk.TUNED_H200.values() for k, v in w.items()
                                                         if k in kernels and v is not None}
     assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
+
+
+def test_bench_authors_file_errors(tmp_path):
+    """bench.py routing --authors=PATH loads the user's copy of the authors' kernel file; a wrong path or file is a
+    one-line error naming it."""
+    with pytest.raises(SystemExit, match="no such file"):
+        bench.load_authors(str(tmp_path / "missing.py"))
+    (tmp_path / "other.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="has no MHARFusedContext, _FusedMHARFn"):
+        bench.load_authors(str(tmp_path / "other.py"))
 
 
 def test_bench_routing_check():

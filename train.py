@@ -79,7 +79,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each sublayer in backward: less memory, ~1/3 more compute
     fsdp: bool = False                  # FSDP2: shard each sublayer over the processes, bf16 compute, fp32 master weights
     save: bool = True                   # write out_dir/ckpt.pt at every eval and at the end (False: speed runs, only the log)
-    cuda_graph: bool = False            # replay each microbatch's forward+backward as one CUDA graph (CUDA, no FSDP)
+    cuda_graph: bool = True             # replay microbatches as CUDA graphs where they apply (CUDA, no FSDP; else says why)
     seed: int = 42                      # fixes initialisation and data order
 
 
@@ -190,6 +190,8 @@ class Runtime:
     why: str                   # why that compute dtype
     param_dtype: torch.dtype   # the weights' dtype
     autocast: object           # context manager of every forward
+    graphs: bool               # microbatches replayed as CUDA graphs (GraphedMicrostep)
+    graphs_why: str            # why graphs are on or off
 
     @property
     def master(self):
@@ -198,6 +200,17 @@ class Runtime:
     def say(self, *args, **kwargs):   # print on rank 0 only
         if self.master:
             print(*args, **kwargs)
+
+
+def graph_plan(cuda_graph, device, fsdp):
+    """(replay microbatches as CUDA graphs?, why): where they apply (CUDA, no FSDP) unless --cuda_graph=False."""
+    if not cuda_graph:
+        return False, "--cuda_graph=False: every kernel launched from Python"
+    if not device.startswith("cuda"):
+        return False, f"they need CUDA, the device is {device}"
+    if fsdp:
+        return False, "FSDP's gradient hooks are not captured: eager steps"
+    return True, "each microbatch's forward and backward replayed; --cuda_graph=False launches kernels from Python"
 
 
 def setup_runtime(cfg):
@@ -215,8 +228,7 @@ def setup_runtime(cfg):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if cfg.cuda_graph and (device_type != "cuda" or cfg.fsdp):
-        fail(f"--cuda_graph=True needs CUDA and no FSDP (device {device}, fsdp={cfg.fsdp}); drop --cuda_graph for this run")
+    graphs, graphs_why = graph_plan(cfg.cuda_graph, device, cfg.fsdp)
     if ddp:
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     elif cfg.fsdp:   # FSDP2 in one process (e.g. one GPU): a process group of one
@@ -234,7 +246,8 @@ def setup_runtime(cfg):
                 if compute != "float32" and param_dtype == torch.float32 and not cfg.fsdp else nullcontext())
     if param_dtype != torch.float32 and not cfg.fsdp:
         compute, why = cfg.param_dtype, "the weights' dtype: no autocast, AdamW states in it too"
-    return Runtime(ddp, rank, local_rank, world, device, device_type, compute, why, param_dtype, autocast)
+    return Runtime(ddp, rank, local_rank, world, device, device_type, compute, why, param_dtype, autocast, graphs,
+                   graphs_why)
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------
@@ -479,6 +492,10 @@ def sync_grads(params, world):
     torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
 
 
+class GraphCaptureError(RuntimeError):
+    """A microbatch's forward and backward could not be captured as a CUDA graph (gradients left as before it)."""
+
+
 class GraphedMicrostep:
     """One microbatch's forward and backward captured as CUDA graphs and replayed: the host launches one graph
     instead of hundreds of kernels (compiled sublayers, ~3 Triton launches per routing site), so small
@@ -521,8 +538,16 @@ class GraphedMicrostep:
                 p.grad = None
         graph = torch.cuda.CUDAGraph()
         pool = self.graphs[True].pool() if not first else None
-        with torch.cuda.graph(graph, pool=pool):
-            self.losses[first] = self._forward_backward()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                self.losses[first] = self._forward_backward()
+        except Exception as e:   # e.g. an op that syncs with the host: undo this microbatch, say what failed
+            for p, g in zip(self.params, saved or [None] * len(self.params)):
+                p.grad = g
+            self.graphs.clear()
+            self.losses.clear()
+            raise GraphCaptureError(f"capturing the graph of the {'first microbatch' if first else 'later microbatches'} failed "
+                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
         if saved is not None:
             with torch.no_grad():   # the warm-up added extra gradients: restore this step's
                 torch._foreach_copy_([p.grad for p in self.params], saved)
@@ -627,11 +652,11 @@ def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
     say(f"git {git_revision()} | python {platform.python_version()} | torch {torch.__version__} | triton {triton_version}"
         f" | cuda {torch.version.cuda} | {rt.world} x {device_name}")
     say(f"precision: compute {rt.compute} ({rt.why}), weights {cfg.param_dtype}")
-    if rt.device_type == "cuda" and not (cfg.fsdp or cfg.cuda_graph):
-        say("tip: --cuda_graph=True replays each microbatch as a CUDA graph (no per-kernel launch overhead: 2-3x "
-            "faster at the 1B shape on one GPU, BENCHMARKS.md)")
-    say(f"model: residual={mcfg.residual} (routing heads {mcfg.heads if mcfg.residual in ('attnres', 'mhar', 'delta') else '-'}, "
-        f"{mcfg.routing_impl}) | {n_params:,} parameters ({n_params - model.wte.weight.numel():,} non-embedding, "
+    say(f"CUDA graphs: {'on' if rt.graphs else 'off'} ({rt.graphs_why})")
+    routed = mcfg.residual in ("attnres", "mhar", "delta")
+    path = model.routing_path(rt.device, getattr(torch, rt.compute) if mcfg.residual != "delta" else torch.float32)
+    say(f"model: residual={mcfg.residual} (" + (f"routing heads {mcfg.heads}, {path} routing, routing_impl={mcfg.routing_impl}"
+        if routed else "no routing") + f") | {n_params:,} parameters ({n_params - model.wte.weight.numel():,} non-embedding, "
         f"{n_extra:,} residual-mechanism) | vocab {mcfg.vocab_size} ({meta['tokenizer']})")
     say(f"batch: {cfg.batch_tokens:,} tokens = {rt.world} processes x {data.accum} micro-steps x {cfg.micro_batch} x "
         f"{cfg.block_size} | data {meta['train_tokens']:,} train tokens (1 epoch = {data.train.n_seq // data.seqs_per_step} "
@@ -675,7 +700,7 @@ def main(argv):
     model.checkpoint_sublayers, model.z_loss = cfg.activation_checkpointing, cfg.z_loss
     if cfg.compile:
         model.compile_sublayers()
-    if rt.ddp and not cfg.fsdp and not cfg.cuda_graph:
+    if rt.ddp and not cfg.fsdp and not rt.graphs:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
     elif rt.ddp and not cfg.fsdp:   # CUDA graphs: no DDP wrapper (its backward hooks are not captured); as DDP does,
         for t in [*params, *raw_model.buffers()]:   # start every process from rank 0's weights, and average the
@@ -688,7 +713,8 @@ def main(argv):
              "tokenizer": data.meta["tokenizer"], "tokenizer_id": data.meta.get("tokenizer_id", data.meta["tokenizer"]),
              "git": git_revision()}
     log = StepLog(cfg, rt, raw_model, device_name if rt.device_type == "cuda" else None, step)
-    graphed = GraphedMicrostep(model, rt.autocast, loss_scale=1 / data.accum) if cfg.cuda_graph else None
+    graphed = GraphedMicrostep(model, rt.autocast, loss_scale=1 / data.accum) if rt.graphs else None
+    wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
     while True:
         last = step >= cfg.max_steps
@@ -714,16 +740,21 @@ def main(argv):
             first = step * data.seqs_per_step + (rt.rank * data.accum + micro) * cfg.micro_batch
             x, y = to_device(data.train.train_batch(first, cfg.micro_batch), rt)
             if graphed is not None:
-                loss_sum += graphed(x, y, first=micro == 0).float()
-                continue
+                try:
+                    loss_sum += graphed(x, y, first=micro == 0).float()
+                    continue
+                except GraphCaptureError as e:   # this microbatch and the rest of the run go eager
+                    rt.say(f"*** CUDA graphs off: {e}. The run continues with eager steps (--cuda_graph=False "
+                           "skips the attempt) ***")
+                    graphed = None
             sync = not rt.ddp or micro == data.accum - 1   # DDP all-reduces gradients on the last micro-step only
             if cfg.fsdp:
                 model.set_requires_gradient_sync(sync)
-            with (nullcontext() if sync or cfg.fsdp else model.no_sync()), rt.autocast:
+            with (model.no_sync() if wrapped and not sync else nullcontext()), rt.autocast:
                 _, loss = model(x, y)
                 (loss / data.accum).backward()
             loss_sum += loss.detach().float()
-        if graphed is not None and rt.ddp:
+        if rt.ddp and not (wrapped or cfg.fsdp):   # graphed steps: no DDP wrapper, the gradients averaged here
             sync_grads(params, rt.world)
         if rt.ddp:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)   # the logged loss is the global-batch mean

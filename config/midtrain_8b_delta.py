@@ -21,5 +21,4 @@ z_loss = 1e-4
 ema_decay = 0.999
 fsdp = True                    # bf16 compute, fp32 master weights, sharded over the GPUs
 activation_checkpointing = True
-routing_impl = "fused"
 eval_interval = 250

@@ -21,5 +21,3 @@ max_steps = 2000
 lr_decay_steps = 2000
 eval_interval = 100
 eval_tokens = 1048576  # the whole val split (~0.4M tokens) is the fixed validation set
-routing_impl = "fused"
-cuda_graph = True      # one GPU: replay each microbatch as a CUDA graph (train.py GraphedMicrostep)

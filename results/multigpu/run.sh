@@ -1,7 +1,8 @@
 #!/bin/bash
 # Several GPUs of one host (N, default: all of them). NVLink multicast stays off (shared hosts).
-#   bash results/multigpu/run.sh ddp           # 100M MHAR, 200 steps on 1 GPU and on N GPUs, same global batch
-#   GRAPH=1 bash results/multigpu/run.sh ddp   # the same with --cuda_graph=True (STEPS=100: a shorter horizon)
+#   bash results/multigpu/run.sh ddp           # 100M MHAR, 200 steps on 1 GPU and on N GPUs, same global batch (the
+#                                              # default: CUDA-graph steps; under torchrun no DDP wrapper)
+#   EAGER=1 bash results/multigpu/run.sh ddp   # the same with --cuda_graph=False (eager steps, DDP's wrapper)
 #   bash results/multigpu/run.sh fsdp          # random Llama-3.1-8B -> delta form -> 20 FSDP2 steps, checkpoint
 #   bash results/multigpu/run.sh fsdp_resume   # ... resume that checkpoint to step 30
 # Logs go to $OUT (the device tool's output folder) or results/multigpu/logs/.
@@ -22,12 +23,13 @@ FSDP_ARGS="config/midtrain_8b_delta.py --data_dir=data/books_wiki --out_dir=$W/r
   --lr_decay_steps=30 --batch_tokens=$((N * 2 * 4096)) --micro_batch=1 --eval_interval=20 --eval_tokens=$((N * 4096))
   --log_interval=1"
 case "$1" in
-ddp)   # GRAPH=1: both runs with --cuda_graph=True (under torchrun: no DDP wrapper, gradients averaged after the graphs)
+ddp)   # graphed steps (under torchrun: no DDP wrapper, gradients averaged after the graphs); EAGER=1: DDP, eager
   S=${STEPS:-200}
-  ARGS="config/train_100m.py --data_dir=data/books_wiki --residual=mhar --routing_impl=fused --max_steps=$S
+  ARGS="config/train_100m.py --data_dir=data/books_wiki --residual=mhar --max_steps=$S
     --warmup_steps=50 --lr_decay_steps=$S --eval_interval=50 --eval_tokens=262144 --save=False --log_interval=1
-    ${GRAPH:+--cuda_graph=True}"
-  one=ddp_1gpu${GRAPH:+_graph}; many=ddp_${N}gpu${GRAPH:+_graph}
+    ${EAGER:+--cuda_graph=False}"
+  sfx=_graph; [ -n "$EAGER" ] && sfx=
+  one=ddp_1gpu$sfx; many=ddp_${N}gpu$sfx
   rm -rf out/$one out/$many
   python train.py $ARGS --out_dir=out/$one > "$DEST/$one.txt" 2>&1
   torchrun --standalone --nproc_per_node=$N train.py $ARGS --out_dir=out/$many > "$DEST/$many.txt" 2>&1

@@ -1,10 +1,8 @@
-"""A/B of the routing chain: an older routing_kernel.py (the file of efaeb30, the last commit before the redesign,
-whose router takes the next site's q and g at each call) against this tree's, one process, the same inputs. GPU
-time = CUDA-graph replay (triton.testing.do_bench median, warmup 50 ms, rep 300 ms); --eager: the chain launched
-from Python. Each shape is timed old, new, new, old; without --eager, also: are the outputs and every gradient
-bitwise equal?
-    git show efaeb30:routing_kernel.py > /tmp/routing_kernel_old.py
-    python results/redesign_h200/ab_chain.py /tmp/routing_kernel_old.py OUT.json [--eager]"""
+"""A/B of the routing chain: an older routing_kernel.py (e.g. `git show db8590c:routing_kernel.py > old.py`) against
+the working tree's, same process, same inputs. GPU time = CUDA-graph replay, or with --eager the wall time launched
+from Python (triton.testing.do_bench median, warmup 50 ms, rep 300 ms), each shape timed old, new, new, old. Also
+(GPU time only): are the outputs and every gradient bitwise equal, and how far apart?
+usage: python results/fast_default_h200/ab_chain.py OLD_routing_kernel.py OUT.json [--eager]"""
 import importlib.util
 import json
 import sys
@@ -14,7 +12,6 @@ from triton.testing import do_bench
 
 sys.path.insert(0, ".")
 import routing_kernel as new  # noqa: E402
-from bench import graphed  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("rk_old", sys.argv[1])
 old = importlib.util.module_from_spec(spec)
@@ -35,13 +32,8 @@ def make(which, N, B, T, d, H):
     state = {}
 
     def step():
-        if which == "new":
-            chain = router.start(src, qs, gs)
-            route = lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1])
-        else:
-            chain = router.start(src)
-            route = lambda j, x: old.FusedRouter.route(chain, j, x, qs[j - 1], gs[j - 1],
-                                                       *((qs[j], gs[j]) if j < N else (None, None)))
+        chain = router.start(src, qs, gs)
+        route = lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1])
         x = src
         for j in range(1, N + 1):
             x = route(j, x)
@@ -61,7 +53,16 @@ def grads(step, src, qs, gs, state):
 
 
 def graph_ms(step):
-    return do_bench(graphed(step), warmup=50, rep=300, return_mode="median")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
 
 
 EAGER = "--eager" in sys.argv
@@ -92,6 +93,6 @@ for name, L, d, H, B, T in SHAPES:
                max_abs_diff=maxdiff)
     rows.append(row)
     print(f"{name:11s} old {' / '.join(f'{t:.3f}' for t in times['old'])} ms | new {' / '.join(f'{t:.3f}' for t in times['new'])} "
-          f"ms | new/old {min(times['new']) / min(times['old']):.4f} | outputs and gradients bitwise equal: {bitwise} "
+          f"ms | new/old (medians) {sorted(times['new'])[len(times['new']) // 2] / sorted(times['old'])[len(times['old']) // 2]:.4f} | outputs and gradients bitwise equal: {bitwise} "
           f"(max abs diff {maxdiff:.2e})", flush=True)
 json.dump(rows, open(sys.argv[2], "w"), indent=1)
