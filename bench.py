@@ -200,6 +200,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["routing"]:
         return routing_main(argv[1:])
+    if argv[:1] == ["generate"]:
+        return generate_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scales", default="100m,350m,1b", help=f"comma-separated subset of {','.join(SCALES)}")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
@@ -253,6 +255,45 @@ def main(argv=None):
     with open(args.output, "w") as f:
         json.dump({"header": header, "args": vars(args), "rows": rows}, f, indent=1)
     print(f"wrote {args.output}")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# 3. generation: python bench.py generate [--scale=100m] [--device=...]
+
+def generate_main(argv):
+    """Tokens/s of GPT.generate with and without the KV cache (random weights, MHAR, greedy, bf16 autocast on CUDA)."""
+    p = argparse.ArgumentParser(prog="bench.py generate", description=generate_main.__doc__)
+    p.add_argument("--scale", default="100m", choices=sorted(SCALES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    p.add_argument("--new", type=int, default=512, help="generated tokens")
+    p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+    p.add_argument("--residual", default="mhar", choices=("baseline", "hyper", "attnres", "mhar"))
+    p.add_argument("--output", default="generate_bench.json")
+    args = p.parse_args(argv)
+    kw, _ = scale_config(args.scale, 50304)
+    model = GPT(GPTConfig(**{**kw, "residual": args.residual})).to(args.device).eval()
+    cuda = args.device.startswith("cuda")
+    rows = []
+    for B in [int(b) for b in args.batch.split(",")]:
+        prompt = torch.randint(0, model.cfg.vocab_size, (B, args.prompt), device=args.device)
+        for use_cache in (True, False):
+            with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False):
+                model.generate(prompt[:, :8], 4, temperature=0, use_cache=use_cache)   # warm-up
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model.generate(prompt, args.new, temperature=0, use_cache=use_cache)
+                if cuda:
+                    torch.cuda.synchronize()
+            s = time.perf_counter() - t0
+            rows.append(dict(scale=args.scale, batch=B, cache=use_cache, seconds=s, tok_s=B * args.new / s))
+            print(f"{args.scale} {args.residual} batch {B:3d} {'cache   ' if use_cache else 'no cache'} "
+                  f"{B * args.new / s:10,.0f} tok/s ({s:.2f} s for {args.new} tokens)", flush=True)
+        print(f"  the cache: {rows[-2]['tok_s'] / rows[-1]['tok_s']:.1f}x at batch {B}", flush=True)
+    with open(args.output, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}, f, indent=1)
     return rows
 
 

@@ -1,12 +1,18 @@
 """
 Evaluate a checkpoint (paper Table 2), probe its routing (Table 6, Figure 4), plot training curves.
 
-  python eval.py --out_dir=out/mhar_100m                                     # all three tasks, data from the Hub
+  python eval.py --harness --out_dir=out/mhar_100m                           # lm-evaluation-harness (the paper's)
+  python eval.py --harness --out_dir=out/mhar_100m --data_root=../shared/data/eval   # its tasks over local files
+  python eval.py --out_dir=out/mhar_100m                                     # our protocols, data from the Hub
   python eval.py --out_dir=out/mhar_100m --data_root=../shared/data/eval --limit=500 --output=eval.json
   python eval.py --probe --out_dir=out/mhar_100m --data_dir=data/fineweb_edu # routing maps, Figure 4, Table 6
   python eval.py --plot out/baseline_100m/log.jsonl out/mhar_100m/log.jsonl --output=curves.png
 
-Protocols (the tokenizer is the checkpoint's; every score is a sum of log-probabilities of given tokens):
+--harness: the paper scored Table 2 zero-shot with lm-evaluation-harness; harness_lm wraps the checkpoint as its
+model (registered "mhar") and run_harness calls lm_eval.simple_evaluate per task; with --data_root, wikitext,
+lambada_openai and hellaswag are harness_tasks/'s local task files (the harness' prompts and metrics).
+Our protocols, without --harness (the tokenizer is the checkpoint's; every score is a sum of log-probabilities of
+given tokens):
   wikitext2  the raw test split as one string, encode_ordinary; windows of block_size tokens starting at
              multiples of block_size/2; the first window scores all its predictions, every later one only
              its last block_size/2 (each token is predicted once, with at least block_size/2 tokens of
@@ -196,6 +202,124 @@ def default_block_size(model):
 
 
 # -----------------------------------------------------------------------------
+# lm-evaluation-harness (the paper's Table 2 protocol): the model "mhar" around a checkpoint, and local task files
+
+HARNESS_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness_tasks")
+LOCAL_HARNESS = {"wikitext": "wikitext_local", "lambada_openai": "lambada_openai_local", "hellaswag": "hellaswag_local"}
+
+
+def harness_lm(model, enc, max_length, batch_size, device, max_gen_toks=256):
+    """An lm_eval TemplateLM over a GPT (registered as "mhar": lm_eval --model mhar --model_args pretrained=OUT_DIR).
+    loglikelihood: Scorer's batches (longest first, contexts cut from the left to max_length); rolling loglikelihood:
+    the harness' disjoint windows of max_length tokens; generate_until: KV-cached greedy (or sampled) generation,
+    batched over requests of one context length, cut at the first stop string."""
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import MODEL_REGISTRY, register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    class MHARLM(TemplateLM):
+        def __init__(self, pretrained=None, model=None, enc=None, max_length=None, batch_size=16, device="cpu",
+                     max_gen_toks=256):
+            super().__init__()
+            if model is None:   # from the harness' command line: --model_args pretrained=OUT_DIR
+                model, enc = load_model(pretrained, device)
+            self.model, self.enc, self.device_ = model, enc, device
+            self.max_length = int(max_length or default_block_size(model))
+            self.batch_size, self.max_gen_toks = int(batch_size), int(max_gen_toks)
+            self.scorer = Scorer(model, self.max_length, self.batch_size, device)
+
+        @property
+        def eot_token_id(self):
+            return self.enc.eot_token
+
+        def tok_encode(self, string, add_special_tokens=None, **kwargs):
+            return self.enc.encode_ordinary(string)
+
+        def tok_decode(self, tokens, **kwargs):
+            return self.enc.decode(list(tokens))
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+            return self.scorer.score([(ctx, cont) for _, ctx, cont in requests],
+                                     desc=None if disable_tqdm else "loglikelihood")
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            windows, owner = [], []
+            for i, (text,) in enumerate(req.args for req in requests):
+                for w in get_rolling_token_windows(token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                                                   max_seq_len=self.max_length, context_len=1):
+                    windows.append(make_disjoint_window(w))
+                    owner.append(i)
+            scores = self.scorer.score(windows, desc=None if disable_tqdm else "loglikelihood_rolling")
+            totals = [0.0] * len(requests)
+            for i, (logp, _) in zip(owner, scores):
+                totals[i] += logp
+            return totals
+
+        def generate_until(self, requests, disable_tqdm=False):
+            out = [None] * len(requests)
+            groups = {}   # (context length, generation settings) -> request indices: one batch shape each
+            for i, req in enumerate(requests):
+                context, kw = req.args
+                kw = dict(kw or {})
+                until = kw.pop("until", None) or [self.tok_decode([self.eot_token_id])]
+                until = [until] if isinstance(until, str) else list(until)
+                n_new = int(kw.pop("max_gen_toks", self.max_gen_toks))
+                sample, temperature = kw.pop("do_sample", False), float(kw.pop("temperature", 0.0) or 0.0)
+                temp = temperature if sample and temperature > 0 else 0.0   # the harness' default: greedy
+                ids = self.tok_encode(context)[-max(1, self.max_length - n_new):]
+                groups.setdefault((len(ids), n_new, temp, tuple(until)), []).append((i, ids))
+            for (_, n_new, temp, until), members in groups.items():
+                for k in range(0, len(members), self.batch_size):
+                    chunk = members[k:k + self.batch_size]
+                    idx = torch.tensor([ids for _, ids in chunk], device=self.device_)
+                    n0 = idx.size(1)
+
+                    def done(seq):   # every row has a stop string (or the end-of-text token) in its new text
+                        return all(any(u in self.tok_decode(row[n0:].tolist()) for u in until) for row in seq)
+                    with self.scorer.autocast:
+                        seq = self.model.generate(idx, n_new, temperature=temp, stop=done)
+                    for (i, _), row in zip(chunk, seq.tolist()):
+                        text = self.tok_decode(row[n0:])
+                        for u in until:
+                            text = text.split(u)[0]
+                        out[i] = text
+            return out
+
+    if "mhar" not in MODEL_REGISTRY:
+        register_model("mhar")(MHARLM)
+    return MHARLM(model=model, enc=enc, max_length=max_length, batch_size=batch_size, device=device,
+                  max_gen_toks=max_gen_toks)
+
+
+def run_harness(args, model, enc, tasks):
+    """lm_eval.simple_evaluate of each task, zero-shot (the paper's Table 2 setting): {task: metrics, seconds}."""
+    import time
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError as e:
+        raise RuntimeError("--harness needs lm-evaluation-harness: pip install lm-eval (requirements.txt)") from e
+    metadata = None
+    if args.data_root:   # the local task files; the Hub is never asked
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        metadata = {"data_root": os.path.abspath(args.data_root)}
+        tasks = [LOCAL_HARNESS.get(t, t) for t in tasks]
+    manager = TaskManager(include_path=HARNESS_TASKS, metadata=metadata)
+    lm = harness_lm(model, enc, args.block_size or default_block_size(model), args.batch_size, args.device)
+    results = {}
+    for task in tasks:
+        t0 = time.time()
+        res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, num_fewshot=0, limit=args.limit,
+                                      log_samples=False, bootstrap_iters=0)
+        metrics = {k.split(",")[0]: v for k, v in res["results"][task].items()
+                   if "," in k and not k.split(",")[0].endswith("_stderr") and isinstance(v, (int, float))}
+        results[task] = {**metrics, "seconds": round(time.time() - t0, 1), "n": res["n-samples"][task]["effective"]}
+        print(f"{task} (harness): " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                 for k, v in results[task].items()), flush=True)
+    return results
+
+
+# -----------------------------------------------------------------------------
 # routing probes (paper Figure 4's per-head deviations, Table 6's width-disagreement probe)
 
 @torch.no_grad()
@@ -373,7 +497,10 @@ def plot_logs(paths, output, smooth=0.9):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="out", help="train.py / convert.py out_dir (or a ckpt.pt path)")
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
+    p.add_argument("--tasks", default=None, help=f"comma-separated subset of {','.join(TASKS)} (default: all); with "
+                   "--harness any harness task (default: wikitext,lambada_openai,hellaswag, local with --data_root)")
+    p.add_argument("--harness", action="store_true", help="score with lm-evaluation-harness (the paper's protocol); "
+                   "results in out_dir/eval_harness.json")
     p.add_argument("--limit", type=int, default=None, help="first N examples (WikiText-2: first N*block_size tokens)")
     p.add_argument("--block_size", type=int, default=None, help="longest scored sequence (default: the training length)")
     p.add_argument("--data_root", default=None, help="local copies laid out like ../shared/data/eval (default: the Hub)")
@@ -391,8 +518,9 @@ def main(argv=None):
         if args.plot:
             plot_logs(args.plot, args.output or "curves.png")
             return None
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        unknown = [t for t in tasks if t not in TASKS]
+        default = ",".join(LOCAL_HARNESS if args.harness else TASKS)
+        tasks = [t.strip() for t in (args.tasks or default).split(",") if t.strip()]
+        unknown = [t for t in tasks if t not in TASKS and not args.harness]
         if unknown or not tasks:
             raise ValueError(f"--tasks={args.tasks!r}: unknown task(s) {unknown}; choose from {','.join(TASKS)}")
         for name in ("limit", "block_size"):
@@ -408,15 +536,19 @@ def main(argv=None):
         if args.probe:
             args.probe_dir = args.probe_dir or os.path.join(base, "probe")
             return run_probe(args, model, enc)
-        scorer = Scorer(model, args.block_size or default_block_size(model), args.batch_size, args.device)
-        results = {}
+        if args.harness:
+            results = run_harness(args, model, enc, tasks)
+            tasks = []
+        else:
+            scorer = Scorer(model, args.block_size or default_block_size(model), args.batch_size, args.device)
+            results = {}
         for task in tasks:
             results[task] = EVALS[task](scorer, enc, load_task(task, args.data_root), args.limit)
             print(f"{task}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in results[task].items()),
                   flush=True)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         sys.exit(f"eval.py: error: {e}")
-    output = args.output or os.path.join(base, "eval.json")
+    output = args.output or os.path.join(base, "eval_harness.json" if args.harness else "eval.json")
     with open(output + ".tmp", "w") as f:
         json.dump(results, f, indent=1)
     os.replace(output + ".tmp", output)

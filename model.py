@@ -155,16 +155,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache=None):
+        """x (B, T, d) at positions cos/sin. cache: this layer's KVCache slot; the new keys and values are
+        appended and the queries attend to every cached position before theirs."""
         B, T, _ = x.shape
         h = self.norm(x)
         q = self.q_proj(h).view(B, T, self.n_head, self.head_dim)
         k = self.k_proj(h).view(B, T, self.n_kv_head, self.head_dim)
         v = self.v_proj(h).view(B, T, self.n_kv_head, self.head_dim)
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k), cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)
+        v, mask = v.transpose(1, 2), None
+        if cache is not None:
+            k, v, mask = cache.extend(k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and k.size(2) == T,
+                                           enable_gqa=self.n_kv_head != self.n_head)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -178,9 +183,49 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
 
-    def forward(self, x, cos=None, sin=None):  # cos/sin unused: every sublayer takes the same arguments
+    def forward(self, x, cos=None, sin=None, cache=None):  # cos, sin, cache unused: every sublayer takes them
         h = self.norm(x)
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class KVCache:
+    """Keys and values of every attention layer for generation: (B, n_kv_head, max_len, head_dim) per layer, filled
+    left to right. It is the only state generation needs in any residual mode: routing (and hyper-connections, and
+    delta mode) mix each token's own depth history, the outputs of earlier sublayers at the same position, so a new
+    token computes its whole history itself; only attention reads other positions.
+
+        cache = KVCache(model, batch=B, max_len=model.cfg.block_size)
+        logits, _ = model(prompt, cache=cache)      # positions 0 .. T-1
+        logits, _ = model(next_token, cache=cache)  # position T, and so on"""
+
+    def __init__(self, model, batch, max_len=None, device=None, dtype=None):
+        cfg, w = model.cfg, model.wte.weight
+        self.max_len = max_len or cfg.block_size
+        if self.max_len > cfg.block_size:
+            raise ValueError(f"KVCache max_len={self.max_len} exceeds block_size={cfg.block_size} (the RoPE tables)")
+        shape = (batch, cfg.n_kv_head, self.max_len, cfg.hd)
+        self.k = [torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros_like(t) for t in self.k]
+        self.pos, self.layer = 0, 0   # tokens cached; the next attention layer in this forward
+
+    def extend(self, k, v):
+        """Append one layer's new (B, kv, T, hd) keys and values: all its keys and values so far, and the mask of
+        the new queries (None when the plain causal mask, or no mask, is right)."""
+        T, i = k.size(2), self.layer
+        if self.pos + T > self.max_len:
+            raise ValueError(f"KVCache full: {self.pos} + {T} tokens > max_len={self.max_len}")
+        self.k[i][:, :, self.pos:self.pos + T] = k
+        self.v[i][:, :, self.pos:self.pos + T] = v
+        self.layer += 1
+        end = self.pos + T
+        mask = None
+        if T > 1 and self.pos > 0:   # a chunk after cached tokens: query t sees positions <= pos + t
+            mask = torch.ones(T, end, dtype=torch.bool, device=k.device).tril(self.pos)
+        return self.k[i][:, :, :end].to(k.dtype), self.v[i][:, :, :end].to(v.dtype), mask
+
+    def advance(self, T):
+        """After a forward over T new tokens: they are cached."""
+        self.pos, self.layer = self.pos + T, 0
 
 
 # -----------------------------------------------------------------------------
@@ -388,31 +433,35 @@ class GPT(nn.Module):
         # fills unused output gradients): a (B, T, vocab) fill, 1.5 ms and 5 GB per 100M step at 151,936 tokens
         return logits.detach(), loss
 
-    def forward(self, idx, targets=None, return_routing=False):
+    def forward(self, idx, targets=None, return_routing=False, cache=None):
+        """idx (B, T) -> (logits, loss). cache: a KVCache holding the tokens before idx (generation)."""
         B, T = idx.shape
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={self.cfg.block_size}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        start = 0 if cache is None else cache.pos
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds block_size={self.cfg.block_size}")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         x = self.wte(idx)
         routing = [] if return_routing else None   # per site: alpha (N_j, B, T, H), reference routing only
         mode = self.cfg.residual
         if mode == "baseline":   # paper Eq. 1: one additive stream
             for sub in self.sublayers():
-                x = x + self._run(sub, x, cos, sin)
+                x = x + self._run(sub, x, cos, sin, cache)
         elif mode == "hyper":
             streams = x.unsqueeze(-2).expand(B, T, self.cfg.hc_streams, x.size(-1)).contiguous()
             for hc, sub in zip(self.hyper, self.sublayers()):
-                streams = hc(streams, lambda h, c, s, sub=sub: self._run(sub, h, c, s), cos, sin)
+                streams = hc(streams, lambda h, c, s, sub=sub: self._run(sub, h, c, s, cache), cos, sin)
             x = streams.sum(-2)                                      # readout: sum of streams
         elif mode == "delta":
-            x = self._delta_forward(x, cos, sin, routing)
+            x = self._delta_forward(x, cos, sin, routing, cache)
         else:   # attnres / mhar (Eq. 2-3): every sublayer's input, and the readout, routed over the depth history
             x = x.to(self._act_dtype(x))                             # s_0: the embedding, in the activation dtype
             history = self._history(x, routing)
             h = history.route(x)
             for sub in self.sublayers():
-                h = history.route(self._run(sub, h, cos, sin))
+                h = history.route(self._run(sub, h, cos, sin, cache))
             x = h
+        if cache is not None:
+            cache.advance(T)
         logits, loss = self._head(x, targets)
         return (logits, loss, routing) if return_routing else (logits, loss)
 
@@ -437,7 +486,7 @@ class GPT(nn.Module):
         routing.append(alpha)
         return out
 
-    def _delta_forward(self, x, cos, sin, routing):
+    def _delta_forward(self, x, cos, sin, routing, cache=None):
         """Delta form (paper section 3.3, Appendix E; grafting onto a pretrained model): the residual stream x stays,
         and sublayer k reads x + alpha_k * route_k(null_k, embedding, completed block deltas), a block delta being
         the stream at a block's end minus the stream at its start. alpha = 0: the pretrained model, bitwise."""
@@ -458,10 +507,12 @@ class GPT(nn.Module):
             else:
                 stacked = torch.stack([site.null.to(x.dtype).expand_as(x)] + history)   # sources: (N, B, T, d)
                 routed = self._route_stack(site, stacked, routing)
-            x = x + self._run(sub, x + site.alpha.to(x.dtype) * routed, cos, sin)
+            x = x + self._run(sub, x + site.alpha.to(x.dtype) * routed, cos, sin, cache)
         return x
 
-    def _run(self, sub, h, cos, sin):
+    def _run(self, sub, h, cos, sin, cache=None):
+        if cache is not None:   # generation: attention appends to the cache (every sublayer takes the argument)
+            return sub(h, cos, sin, cache)
         if self.checkpoint_sublayers and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(sub, h, cos, sin, use_reentrant=False)
         return sub(h, cos, sin)
@@ -547,10 +598,24 @@ class GPT(nn.Module):
         return None if peak is None else self.flops_per_token(seq_len) * tokens_per_s / peak
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Append max_new_tokens tokens to idx (B, T). temperature 0 means greedy."""
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, stop=None):
+        """Append max_new_tokens tokens to idx (B, T), every row of one length; temperature 0 means greedy. With the
+        KV cache (the default) each new token costs one position's forward. The context is the last block_size
+        tokens: a longer prompt is cut to them, and when the cache is full it restarts from the last block_size / 2
+        tokens (uncached generation slides a full window instead, so past block_size the two may differ).
+        stop(idx) -> bool: end early when it holds (checked after every token)."""
+        L = self.cfg.block_size
+        cache, fed = None, 0   # fed: tokens of idx the cache holds
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size:])
+            if not use_cache:
+                logits, _ = self(idx[:, -L:])
+            else:
+                if cache is None or cache.pos == L:   # (re)start: prefill the last tokens
+                    keep = min(idx.size(1), L if cache is None else L // 2)
+                    cache, fed = KVCache(self, idx.size(0), L, dtype=self._act_dtype(self.wte.weight)), idx.size(1) - keep
+                logits, _ = self(idx[:, fed:], cache=cache)
+                fed = idx.size(1)
             logits = logits[:, -1, :].float()
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
@@ -561,6 +626,8 @@ class GPT(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1)
             idx = torch.cat((idx, nxt), dim=1)
+            if stop is not None and stop(idx):
+                break
         return idx
 
     @classmethod

@@ -5,6 +5,7 @@ One section per file under test, fixtures and helpers first. Uses ../shared/data
 when it is there; otherwise a small corpus built from Python's own documentation, and tiktoken's normal download.
 """
 import glob
+import importlib.util
 import json
 import lzma
 import math
@@ -14,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import types
 import sys
 import time
 
@@ -37,7 +39,7 @@ import prepare_data  # noqa: E402
 import routing_kernel as rk  # noqa: E402
 import train  # noqa: E402
 from bench import run_chain  # noqa: E402   (N routing sites with a sublayer between them, like a model's)
-from model import GPT, GPTConfig, peak_flops, route_reference  # noqa: E402
+from model import GPT, GPTConfig, KVCache, peak_flops, route_reference  # noqa: E402
 
 MODES = ("baseline", "hyper", "attnres", "mhar")
 
@@ -440,6 +442,49 @@ def test_return_routing_shapes_and_sums(H):
     for j, alpha in enumerate(routing, start=1):
         assert alpha.shape == (j, B, T, H)
         torch.testing.assert_close(alpha.sum(0), torch.ones(B, T, H))
+
+
+@pytest.mark.parametrize("residual,impl", [("baseline", "reference"), ("hyper", "reference"), ("attnres", "reference"),
+                                           ("mhar", "reference"), ("mhar", "fused"), ("attnres", "fused"),
+                                           ("delta", "reference"), ("delta", "fused")])
+def test_kv_cache_gives_the_uncached_logits(residual, impl):
+    """Generation with the KV cache: a prefill, single tokens and a chunk after cached tokens give the logits of the
+    whole sequence run without a cache (fp32, every residual mode, fused routing in the interpreter, B = 3)."""
+    if impl == "fused" and not rk.available(DEVICE):
+        pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    m = GPT(tiny_cfg(residual=residual, routing_impl=impl, num_blocks=2, **({"route_heads": 2} if residual == "delta"
+                                                                              else {}))).to(DEVICE).eval()
+    randomize_routing(m)
+    with torch.no_grad():
+        for site in m.routing_sites():
+            if hasattr(site, "alpha"):
+                site.alpha.fill_(0.7)
+        seq = torch.randint(0, 96, (3, 20), device=DEVICE)
+        full, _ = m(seq)
+        cache = KVCache(m, 3)
+        pieces = [m(seq[:, :6], cache=cache)[0]]                          # prefill 0..5
+        pieces += [m(seq[:, t:t + 1], cache=cache)[0] for t in range(6, 12)]   # one token at a time
+        pieces.append(m(seq[:, 12:20], cache=cache)[0])                   # a chunk after cached tokens
+        assert cache.pos == 20
+        assert (torch.cat(pieces, 1) - full).abs().max().item() < 1e-5 * full.abs().max().item()
+
+
+def test_generate_with_cache_matches_without_and_crops_long_prompts():
+    """generate: the cached greedy tokens are the uncached ones while the context fits; a prompt longer than
+    block_size keeps its last block_size tokens; past block_size the cache restarts from the last block_size / 2."""
+    torch.manual_seed(0)
+    m = GPT(tiny_cfg(residual="mhar")).eval()
+    randomize_routing(m)
+    prompt = torch.randint(0, 96, (2, 5))
+    assert torch.equal(m.generate(prompt, 20, temperature=0), m.generate(prompt, 20, temperature=0, use_cache=False))
+    long = torch.randint(0, 96, (2, 40))   # block_size 32
+    out = m.generate(long, 30, temperature=0)   # runs past the window: cache restarts, no error
+    assert out.shape == (2, 70) and torch.equal(out[:, :40], long)
+    first = m.generate(long, 1, temperature=0)
+    assert torch.equal(first, m.generate(long, 1, temperature=0, use_cache=False))   # both see the last 32 tokens
+    stopped = m.generate(prompt, 20, temperature=0, stop=lambda idx: idx.size(1) >= 8)
+    assert stopped.shape == (2, 8)
 
 
 def test_generate_and_mfu():
@@ -1376,6 +1421,67 @@ def test_eval_cli_json_and_errors(eval_ckpt, eval_root, tmp_path, capsys):
         assert msg in str(e.value), (bad, e.value)
 
 
+def _request(*args):
+    return types.SimpleNamespace(args=args)
+
+
+def test_harness_model_matches_direct_computation(eval_ckpt):
+    """The lm-evaluation-harness model (eval.harness_lm): loglikelihood, rolling loglikelihood (disjoint windows of
+    max_length predictions, the first after the end-of-text token) and greedy generate_until with a stop string
+    equal direct computations with the model."""
+    pytest.importorskip("lm_eval", reason="pip install lm-eval (requirements.txt)")
+    model, enc = evaluate.load_model(eval_ckpt["mhar"], "cpu")
+    L = 16
+    lm = evaluate.harness_lm(model, enc, max_length=L, batch_size=3, device="cpu", max_gen_toks=12)
+    pairs = [("The cat sat on the", " mat"), ("Once upon a time there was a", " princess who lived far away"),
+             ("A", " b")]
+    got = lm.loglikelihood([_request(c, x) for c, x in pairs], disable_tqdm=True)
+    for (ctx, cont), (logp, greedy) in zip(pairs, got):
+        c, x = enc.encode_ordinary(ctx), enc.encode_ordinary(cont)
+        ids = (c + x)[-(L + 1):]
+        lp, hits = direct_logprob(model, ids, range(len(ids) - len(x), len(ids)))
+        assert abs(logp - sum(lp)) < 1e-4 and greedy == all(hits)
+    text = "Senjo no Valkyria 3 : Unrecorded Chronicles is a tactical role playing video game developed by Sega " * 2
+    toks = enc.encode_ordinary(text)
+    assert len(toks) > 2 * L
+    want, P = 0.0, [enc.eot_token] + toks   # block [a, b) of targets P[a+1 .. b]: the last L tokens before them as input
+    for a in range(0, len(toks), L):         # (the first block: from the end-of-text token; the last: full context)
+        b = min(a + L, len(toks))
+        s0 = max(0, b - L)
+        want += sum(direct_logprob(model, P[s0:b + 1], range(a + 1 - s0, b + 1 - s0))[0])
+    (rolled,) = lm.loglikelihood_rolling([_request(text)], disable_tqdm=True)
+    assert abs(rolled - want) < 1e-3
+    prompts = ["The cat sat on the", "One two three four five"]
+    outs = lm.generate_until([_request(p, {"until": ["\n\n"], "max_gen_toks": 6}) for p in prompts], disable_tqdm=True)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([enc.encode_ordinary(prompt)])
+        ref = enc.decode(model.generate(ids, 6, temperature=0, use_cache=False)[0, ids.size(1):].tolist())
+        assert out == ref.split("\n\n")[0]
+
+
+def test_harness_offline_tasks_and_lambada_agree_with_ours(eval_ckpt, eval_root, tmp_path):
+    """eval.py --harness with --data_root runs lm_eval.simple_evaluate on the three local task files (no Hub), and
+    the harness' lambada_openai scores the examples as our built-in LAMBADA does (accuracy, perplexity = exp(nll))."""
+    pytest.importorskip("lm_eval", reason="pip install lm-eval (requirements.txt)")
+    out = str(tmp_path / "h.json")
+    res = evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--harness", "--limit=3",
+                         f"--output={out}", "--batch_size=4", "--block_size=16"])
+    assert json.load(open(out)) == res
+    assert set(res) == {"wikitext_local", "lambada_openai_local", "hellaswag_local"}
+    assert {"word_perplexity", "byte_perplexity", "bits_per_byte"} <= set(res["wikitext_local"])
+    assert {"acc", "acc_norm"} <= set(res["hellaswag_local"]) and res["hellaswag_local"]["n"] == 3
+    ours = evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--tasks=lambada", "--limit=3",
+                          f"--output={tmp_path / 'o.json'}", "--batch_size=4", "--block_size=16"])["lambada"]
+    theirs = res["lambada_openai_local"]
+    assert theirs["n"] == ours["n"] == 3 and theirs["acc"] == ours["acc"]
+    assert abs(math.log(theirs["perplexity"]) - ours["nll"]) < 1e-6 * max(1.0, ours["nll"])
+    spec = importlib.util.spec_from_file_location("offline", os.path.join(evaluate.HARNESS_TASKS, "offline.py"))
+    offline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(offline)
+    pages = offline.wikitext_pages(" = A = \n x \n = = B = = \n y \n = C = \n z \n")
+    assert pages == [" = A = \n x \n = = B = = \n y \n", " = C = \n z \n"]
+
+
 def test_probe_kl_maps_and_plots(eval_ckpt, eval_root, tmp_path):
     gen = torch.Generator().manual_seed(0)
     sources = torch.randn(5, 2, 3, 32, generator=gen)
@@ -1426,6 +1532,14 @@ def test_tune_candidates_cover_the_configs():
     used = {getattr(rk.DEFAULT, k) for k in kernels} | {v for w in rk.TUNED_H200.values() for k, v in w.items()
                                                         if k in kernels and v is not None}
     assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
+
+
+def test_bench_generate_smoke(tmp_path):
+    """bench.py generate (the KV cache's speed against uncached generation): runs on the CPU at the tiny scale."""
+    rows = bench.generate_main(["--scale=tiny", "--device=cpu", "--prompt=8", "--new=4", "--batch=1,2",
+                                f"--output={tmp_path / 'g.json'}"])
+    assert [(r["batch"], r["cache"]) for r in rows] == [(1, True), (1, False), (2, True), (2, False)]
+    assert all(r["tok_s"] > 0 for r in rows) and json.load(open(tmp_path / "g.json"))["rows"] == rows
 
 
 def test_bench_authors_file_errors(tmp_path):
