@@ -338,7 +338,7 @@ def probe(model, idx, slices=4, seed=0):
     def observe(site, stacked):   # sees every site's stacked sources (N, B, T, d)
         if site.heads == 1:
             for name, q in (("learned", site.q.float()), ("null", _matched_random(site.q.float(), gen))):
-                kl[name].append(slice_kl(stacked, q, site.g, slices, site.eps))
+                kl[name].append(slice_kl(stacked, q, site.gain(), slices, site.eps))
         last["sources"] = stacked
 
     model.routing_observer = observe

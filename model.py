@@ -43,6 +43,7 @@ class GPTConfig:
     tie_embeddings: bool = True    # LM head shares the token embedding matrix
     residual: str = "mhar"         # baseline | hyper | attnres | mhar | delta (grafted onto a pretrained model)
     route_heads: int | None = None # routing heads H; None: n_kv_head for mhar (the paper's default), 8 for delta
+    route_scale: float = 1.0       # multiplier s on every routing logit (a temperature control; the paper: none, 1)
     num_blocks: int = 8            # delta: the layers form num_blocks blocks; completed block deltas are sources
     hc_streams: int = 4            # hyper-connections: number of residual streams n
     hc_dynamic: bool = True        # hyper-connections: dynamic (DHC) or static (SHC) connection weights
@@ -70,6 +71,8 @@ class GPTConfig:
         if self.residual == "delta" and (not isinstance(self.num_blocks, int) or self.num_blocks < 1
                                          or self.n_layer % self.num_blocks):
             bad(f"num_blocks={self.num_blocks} must divide n_layer={self.n_layer} (blocks of equal length)")
+        if not (isinstance(self.route_scale, (int, float)) and math.isfinite(self.route_scale) and self.route_scale > 0):
+            bad(f"route_scale={self.route_scale!r} must be a positive number (1: the paper's routing)")
         if self.residual == "attnres" and self.route_heads not in (None, 1):
             bad(f"residual='attnres' is single-head, got route_heads={self.route_heads}: "
                 "use residual='mhar' for several heads")
@@ -254,16 +257,23 @@ def route_reference(sources, q, g, n_heads, eps=1e-6, return_alpha=False):
 
 class Route(nn.Module):
     """One routing site: a query and a key gain over the width d, split into `heads` heads. A delta site
-    (paper section 3.3) also has a learnable null source and the scalar alpha that gates its output."""
+    (paper section 3.3) also has a learnable null source and the scalar alpha that gates its output. scale
+    (GPTConfig.route_scale) multiplies every logit: it is folded into the gain the routing sees, gain() = g * scale
+    (logit = r <q, g s x> = s r <q g, x>), so the reference, the fused chain and the per-call kernels all take it
+    with no change of their own; scale 1 passes g itself (bitwise the paper's routing)."""
 
-    def __init__(self, dim, heads, eps, delta=False):
+    def __init__(self, dim, heads, eps, delta=False, scale=1.0):
         super().__init__()
-        self.heads, self.eps = heads, eps
+        self.heads, self.eps, self.scale = heads, eps, float(scale)
         self.q = nn.Parameter(torch.zeros(dim))   # zero query: uniform mix = residual stream / N at init
         self.g = nn.Parameter(torch.ones(dim))
         if delta:
             self.null = nn.Parameter(torch.zeros(dim))   # a source the site may attend to instead of the history
             self.alpha = nn.Parameter(torch.zeros(1))    # 0: the converted model is the pretrained one, bitwise
+
+    def gain(self):
+        """The key gain the routing uses: g, times route_scale when that is not 1."""
+        return self.g if self.scale == 1.0 else self.g * self.scale
 
 
 class DepthHistory:
@@ -285,13 +295,13 @@ class FusedDepthHistory:
     kernels read it in place, and the backward gathers each source's gradient once."""
 
     def __init__(self, router, sites, first_source):
-        self.sites, self.j = sites, 0
-        self.chain = router.start(first_source, [s.q for s in sites], [s.g for s in sites])
+        self.sites, self.j, self.gains = sites, 0, [s.gain() for s in sites]
+        self.chain = router.start(first_source, [s.q for s in sites], self.gains)
 
     def route(self, new_source):
         self.j += 1
         site = self.sites[self.j - 1]
-        return self.chain.route(self.j, new_source, site.q, site.g)
+        return self.chain.route(self.j, new_source, site.q, self.gains[self.j - 1])
 
 
 # -----------------------------------------------------------------------------
@@ -368,7 +378,7 @@ class GPT(nn.Module):
         # mode-specific parameters come last and draw no random numbers, so the shared weights of every
         # mode are identical for the same seed (the residual mechanism is the only difference)
         if cfg.residual in ("attnres", "mhar", "delta"):
-            self.routes = nn.ModuleList(Route(d, cfg.heads, cfg.norm_eps, delta=cfg.residual == "delta")
+            self.routes = nn.ModuleList(Route(d, cfg.heads, cfg.norm_eps, delta=cfg.residual == "delta", scale=cfg.route_scale)
                                         for _ in range(cfg.n_sites))
         if cfg.residual == "hyper":
             self.hyper = nn.ModuleList(HyperConnection(cfg, k) for k in range(2 * L))
@@ -481,8 +491,8 @@ class GPT(nn.Module):
         if self.routing_observer is not None:
             self.routing_observer(site, stacked)
         if routing is None:
-            return self._route(stacked, site.q, site.g, site.heads, site.eps)
-        out, alpha = route_reference(stacked, site.q, site.g, site.heads, site.eps, return_alpha=True)
+            return self._route(stacked, site.q, site.gain(), site.heads, site.eps)
+        out, alpha = route_reference(stacked, site.q, site.gain(), site.heads, site.eps, return_alpha=True)
         routing.append(alpha)
         return out
 
@@ -502,7 +512,7 @@ class GPT(nn.Module):
                     from routing_kernel import rms_factors, route_stack
                     hist = torch.stack(history)                    # (N, B, T, d)
                     r = rms_factors(hist, self.cfg.norm_eps)
-                routed = route_stack(hist, site.q, site.g, site.heads, site.eps, null=site.null, r=r,
+                routed = route_stack(hist, site.q, site.gain(), site.heads, site.eps, null=site.null, r=r,
                                      config=self.routing_config)
             else:
                 stacked = torch.stack([site.null.to(x.dtype).expand_as(x)] + history)   # sources: (N, B, T, d)

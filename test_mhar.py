@@ -517,6 +517,8 @@ def test_optimizer_groups():
     (dict(residual="mhar2"), r"residual='mhar2' is not one of"),
     (dict(residual="attnres", route_heads=4), r"single-head"),
     (dict(routing_impl="cuda"), r"routing_impl='cuda'"),
+    (dict(route_scale=0.0), r"route_scale=0.0 must be a positive number"),
+    (dict(route_scale=float("nan")), r"route_scale=nan must be a positive number"),
     (dict(n_layer=0), r"n_layer=0 must be a positive integer"),
     (dict(n_embd=36, n_head=4), r"head_dim=9 must be an even positive integer"),
     (dict(residual="delta", n_layer=3, num_blocks=2), r"num_blocks=2 must divide n_layer=3"),
@@ -525,6 +527,52 @@ def test_optimizer_groups():
 def test_bad_model_configs(kw, msg):
     with pytest.raises(ValueError, match=msg):
         tiny_cfg(**kw)
+
+
+@pytest.mark.parametrize("residual", ["attnres", "mhar", "delta"])
+def test_route_scale_is_a_scaled_query(residual):
+    """route_scale s multiplies every routing logit: the model with s computes what the same model with s = 1 and
+    every query times s computes (forward); s = 1 hands the routing the gain g itself (bitwise the paper's)."""
+    kw = dict(residual=residual, num_blocks=2, **({"route_heads": 2} if residual == "delta" else {}))
+    torch.manual_seed(0)
+    scaled = GPT(tiny_cfg(route_scale=0.35, **kw))
+    plain = GPT(tiny_cfg(**kw))
+    plain.load_state_dict(scaled.state_dict())
+    randomize_routing(scaled)
+    randomize_routing(plain)
+    with torch.no_grad():
+        for site in plain.routing_sites():
+            site.q.mul_(0.35)
+            if hasattr(site, "alpha"):
+                site.alpha.fill_(0.7)
+        for site in scaled.routing_sites():
+            if hasattr(site, "alpha"):
+                site.alpha.fill_(0.7)
+    idx = torch.randint(0, 96, (2, 11))
+    a, b = scaled(idx)[0], plain(idx)[0]
+    assert rel_err(a.double(), b.double()) < 1e-6
+    assert all(site.gain() is site.g for site in plain.routing_sites())
+
+
+@pytest.mark.parametrize("residual", ["attnres", "mhar", "delta"])
+def test_fused_route_scale_matches_reference(residual):
+    """With route_scale != 1 the fused paths (the chain; delta mode's per-call kernels) give the reference's logits
+    and every gradient."""
+    if not rk.available(DEVICE):
+        pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
+    models = tiny_pair(residual=residual, route_scale=0.5, num_blocks=2, **({"route_heads": 2} if residual == "delta" else {}))
+    idx = torch.randint(0, 96, (2, 19), device=DEVICE)
+    outs = []
+    for m in models:
+        with torch.no_grad():   # delta: an open gate, so that routing reaches the output and its parameters get gradients
+            for site in m.routing_sites():
+                if hasattr(site, "alpha"):
+                    site.alpha.fill_(0.7)
+        logits, loss = m(idx, idx)
+        loss.backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
+    assert_grads_close(outs[1][1], outs[0][1])
 
 
 def test_compiled_hyper_connections_match_eager():
@@ -1540,6 +1588,25 @@ def test_bench_generate_smoke(tmp_path):
                                 f"--output={tmp_path / 'g.json'}"])
     assert [(r["batch"], r["cache"]) for r in rows] == [(1, True), (1, False), (2, True), (2, False)]
     assert all(r["tok_s"] > 0 for r in rows) and json.load(open(tmp_path / "g.json"))["rows"] == rows
+
+
+def test_temperature_study_report_pairs_seeds(tmp_path):
+    """results/temperature_study/report.py: runs parsed from their names, paired per-seed deltas, mean, SE and t
+    (here on three hand-made logs per config: a test of the arithmetic, not a result)."""
+    spec = importlib.util.spec_from_file_location("study", os.path.join(HERE, "results", "temperature_study", "report.py"))
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    for seed, (a, b) in enumerate([(3.10, 3.00), (3.20, 3.05), (3.00, 2.95)]):
+        for name, v in ((f"attnres_s{seed}_x0.5", a), (f"mhar_s{seed}", b)):   # run.sh's names
+            with open(tmp_path / f"100m_{name}.log.jsonl", "w") as f:
+                for step in range(0, 2001, 100):
+                    f.write(json.dumps({"step": step, "val_loss": v + (2000 - step) / 1000}) + "\n")
+    rs = study.runs(str(tmp_path))
+    assert set(rs) == {("100m", c, s) for c in ("attnres_x0.5", "mhar") for s in range(3)}
+    seeds, d, st = study.paired(rs, "100m", "attnres_x0.5", "mhar", "tail")
+    assert seeds == [0, 1, 2] and [round(x, 6) for x in d] == [0.1, 0.15, 0.05]
+    assert abs(st["mean"] - 0.1) < 1e-9 and abs(st["se"] - 0.05 / math.sqrt(3)) < 1e-9 and st["t95"] == 4.303
+    assert "| 100m | attnres_x0.5 - mhar | 0,1,2 |" in study.tables(rs)
 
 
 def test_bench_authors_file_errors(tmp_path):

@@ -1,0 +1,118 @@
+"""
+The temperature study's report, from the logs in logs/ (NAME.log.jsonl, NAME = SHAPE_MODE_sSEED[_xSCALE]): per-run
+metrics, the pre-registered paired comparisons (README.md: fixed before the runs), plots.
+
+  python results/temperature_study/report.py        # prints the markdown tables; writes curves_SHAPE.png, scale_sweep.png
+
+Metrics: tail-5 = the mean of the last 5 evals (steps 1600-2000; the primary metric), final = the last eval. A
+comparison A - B pairs the runs of one seed (same initialisation of the shared weights, same data order): per-seed
+deltas, their mean, standard error (sd / sqrt(n)), t = mean / SE with the two-sided 95% critical value of Student's
+t for n - 1 degrees of freedom, and how many seeds agree in sign.
+"""
+import glob
+import json
+import math
+import os
+import re
+import statistics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Student's t, two-sided 95%: critical values for 1..10 degrees of freedom
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+# the comparisons, fixed before the runs (README.md): (shape, A, B), a config = MODE or MODE_xSCALE
+PLAN = [("100m", "attnres_x0.5", "mhar"),       # the decisive one: single head at H = 4's temperature against MHAR
+        ("100m", "attnres", "mhar"),            # the paper's claim at this budget
+        ("100m", "attnres", "attnres_x0.5"),    # what the temperature alone buys
+        ("100m", "mhar", "baseline"), ("100m", "attnres", "baseline"), ("100m", "attnres_x0.5", "baseline"),
+        ("124m", "attnres_x0.5", "mhar"), ("124m", "attnres", "mhar"), ("124m", "attnres", "attnres_x0.5"),
+        ("350m", "attnres_x0.354", "mhar"), ("350m", "attnres", "mhar"), ("350m", "attnres", "attnres_x0.354")]
+
+
+def load(path):
+    recs = [json.loads(line) for line in open(path)]
+    evals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    steps = sorted(evals)
+    return dict(evals=evals, last=steps[-1], final=evals[steps[-1]], tail=statistics.mean(evals[s] for s in steps[-5:]))
+
+
+def runs(log_dir):
+    """{(shape, config, seed): metrics} of every finished run."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "*.log.jsonl"))):
+        m = re.fullmatch(r"(\w+?)_(baseline|attnres|mhar)_s(\d+)(_x[\d.]+)?", os.path.basename(path)[:-len(".log.jsonl")])
+        if m:
+            out[(m[1], m[2] + (m[4] or ""), int(m[3]))] = load(path)
+    return out
+
+
+def paired(rs, shape, a, b, metric):
+    """(per-seed deltas A - B, mean, SE, t, critical t) over the seeds both configs have."""
+    seeds = sorted(s for (sh, c, s) in rs if sh == shape and c == a and (shape, b, s) in rs)
+    d = [rs[(shape, a, s)][metric] - rs[(shape, b, s)][metric] for s in seeds]
+    if len(d) < 2:
+        return seeds, d, None
+    mean, se = statistics.mean(d), statistics.stdev(d) / math.sqrt(len(d))
+    return seeds, d, dict(mean=mean, se=se, t=mean / se if se > 0 else float("inf"), t95=T95.get(len(d) - 1, 1.96))
+
+
+def tables(rs):
+    lines = ["| shape | config | seed | steps | final | tail-5 |", "|---|---|---|---|---|---|"]
+    for (shape, cfg, seed), r in sorted(rs.items()):
+        lines.append(f"| {shape} | {cfg} | {seed} | {r['last']} | {r['final']:.4f} | {r['tail']:.4f} |")
+    lines += ["", "| shape | A - B | seeds | per-seed deltas, tail-5 | mean +- SE, tail-5 | \\|mean\\| / SE (95%: >) | "
+              "same sign | mean +- SE, final |", "|---|---|---|---|---|---|---|---|"]
+    for shape, a, b in PLAN:
+        seeds, d, st = paired(rs, shape, a, b, "tail")
+        if not seeds:
+            continue
+        _, _, fin = paired(rs, shape, a, b, "final")
+        same = max(sum(x > 0 for x in d), sum(x < 0 for x in d))
+        lines.append(f"| {shape} | {a} - {b} | {','.join(map(str, seeds))} | {' '.join(f'{x:+.4f}' for x in d)} | "
+                     + (f"{st['mean']:+.4f} +- {st['se']:.4f} | {abs(st['t']):.2f} ({st['t95']:.2f}) | {same}/{len(d)} | "
+                        f"{fin['mean']:+.4f} +- {fin['se']:.4f} |" if st else "- | - | - | - |"))
+    return "\n".join(lines)
+
+
+def plots(rs, out_dir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for shape in sorted({k[0] for k in rs}):
+        fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+        for (sh, cfg, seed), r in sorted(rs.items()):
+            if sh != shape:
+                continue
+            steps = [s for s in sorted(r["evals"]) if s >= 300]
+            line = ax.plot(steps, [r["evals"][s] for s in steps], marker=".", label=f"{cfg} s{seed}")[0]
+            ref = rs.get((shape, "mhar", seed))
+            if ref and cfg != "mhar":   # the paired gap to MHAR of the same seed
+                gap.plot(steps, [r["evals"][s] - ref["evals"][s] for s in steps], color=line.get_color(),
+                         label=f"{cfg} s{seed} - mhar s{seed}")
+        ax.set(xlabel="step", ylabel="validation loss", title=f"{shape}: validation loss")
+        gap.axhline(0, color="k", lw=0.5)
+        gap.set(xlabel="step", ylabel="loss - MHAR's (same seed)", title=f"{shape}: paired gap to MHAR")
+        ax.legend(fontsize=6)
+        gap.legend(fontsize=6)
+        fig.savefig(os.path.join(out_dir, f"curves_{shape}.png"), dpi=120)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    for shape, mode in sorted({(k[0], k[1].split("_x")[0]) for k in rs if k[1] != "baseline"}):
+        pts = {}
+        for (sh, cfg, seed), r in rs.items():
+            if sh == shape and cfg.split("_x")[0] == mode:
+                pts.setdefault(float(cfg.split("_x")[1]) if "_x" in cfg else 1.0, []).append(r["tail"])
+        xs = sorted(pts)
+        ax.errorbar(xs, [statistics.mean(pts[x]) for x in xs], marker="o", capsize=3, label=f"{shape} {mode}",
+                    yerr=[statistics.stdev(pts[x]) / math.sqrt(len(pts[x])) if len(pts[x]) > 1 else 0 for x in xs])
+    ax.set(xscale="log", xlabel="route_scale s", ylabel="tail-5 validation loss (mean +- SE over seeds)")
+    ax.legend(fontsize=7)
+    fig.savefig(os.path.join(out_dir, "scale_sweep.png"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    rs = runs(os.path.join(HERE, "logs"))
+    if not rs:
+        raise SystemExit(f"no finished runs in {os.path.join(HERE, 'logs')}: bash results/temperature_study/run.sh ...")
+    print(tables(rs))
+    plots(rs, HERE)
