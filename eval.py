@@ -300,8 +300,7 @@ def run_harness(args, model, enc, tasks):
     except ImportError as e:
         raise RuntimeError("--harness needs lm-evaluation-harness: pip install lm-eval (requirements.txt)") from e
     metadata = None
-    if args.data_root:   # the local task files; the Hub is never asked
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if args.data_root:   # the local task files (they never ask the Hub; other tasks still may)
         metadata = {"data_root": os.path.abspath(args.data_root)}
         tasks = [LOCAL_HARNESS.get(t, t) for t in tasks]
     manager = TaskManager(include_path=HARNESS_TASKS, metadata=metadata)
