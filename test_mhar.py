@@ -135,13 +135,18 @@ def chain_grads(impl, src0, qs, gs, shift, up, H, dtype, config=None):
                              config)
 
 
-def check_fused_chain(N, B, T, d, H, dtype, config=None):
-    gen = torch.Generator().manual_seed(N * 1000 + T)
+def chain_inputs(N, B, T, d, seed):
+    """Random inputs of an N-site chain: source 0, every site's q and g, the sublayer shifts, the upstream gradient."""
+    gen = torch.Generator().manual_seed(seed)
     src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
     qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
     gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
     shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
-    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
+    return src0, qs, gs, shift, torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
+
+
+def check_fused_chain(N, B, T, d, H, dtype, config=None):
+    src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=N * 1000 + T)
     fused = chain_grads("fused", src0, qs, gs, shift, up, H, dtype, config)
     names = ["out", "d_source", "dq", "dg"]
     if N == 1:   # one source: alpha = 1, so dq and dg are 0 by the math; the fused path leaves rounding noise
@@ -161,14 +166,19 @@ def check_fused_chain(N, B, T, d, H, dtype, config=None):
             assert rel_err(a, t) <= 1.5 * rel_err(b, t) + 1e-6, (name, rel_err(a, t), rel_err(b, t))
 
 
-def tiny_pair(routing_config=None, **kw):
-    """The same tiny MHAR model with reference and fused routing (launch settings routing_config), non-trivial queries."""
+def tiny_pair(routing_config=None, gate=None, **kw):
+    """The same tiny MHAR model with reference and fused routing (launch settings routing_config), non-trivial queries;
+    gate: delta mode's alpha at every site (0 at init, which keeps routing from the output and its gradients)."""
     models = []
     for impl in ("reference", "fused"):
         torch.manual_seed(0)
         m = GPT(tiny_cfg(routing_impl=impl, **kw)).to(DEVICE)
         m.routing_config = routing_config
         randomize_routing(m)
+        if gate is not None:
+            with torch.no_grad():
+                for site in m.routing_sites():
+                    site.alpha.fill_(gate)
         models.append(m)
     return models
 
@@ -560,19 +570,8 @@ def test_fused_route_scale_matches_reference(residual):
     and every gradient."""
     if not rk.available(DEVICE):
         pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
-    models = tiny_pair(residual=residual, route_scale=0.5, num_blocks=2, **({"route_heads": 2} if residual == "delta" else {}))
-    idx = torch.randint(0, 96, (2, 19), device=DEVICE)
-    outs = []
-    for m in models:
-        with torch.no_grad():   # delta: an open gate, so that routing reaches the output and its parameters get gradients
-            for site in m.routing_sites():
-                if hasattr(site, "alpha"):
-                    site.alpha.fill_(0.7)
-        logits, loss = m(idx, idx)
-        loss.backward()
-        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
-    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
-    assert_grads_close(outs[1][1], outs[0][1])
+    fused_model_vs_reference(residual=residual, route_scale=0.5, num_blocks=2,
+                             **(dict(route_heads=2, gate=0.7) if residual == "delta" else {}))
 
 
 def test_compiled_hyper_connections_match_eager():
@@ -712,13 +711,8 @@ def test_fused_routing_announces_its_config():
 def test_fused_direct_launches_match_tritons():
     """After a launch key's first launch, RoutingChain._launch calls the compiled kernel's launcher itself: the chain's
     output and every gradient are bitwise those of Triton's own launch path (leading and following sites included)."""
-    gen = torch.Generator().manual_seed(5)
     N, B, T, d, H = 13, 2, 40, 128, 4
-    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
-    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
-    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
-    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
-    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
+    src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=5)
     runs = [chain_grads("fused", src0, qs, gs, shift, up, H, torch.bfloat16, rk.RoutingConfig(direct=direct, lead_min=2))
             for direct in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
@@ -771,13 +765,8 @@ def test_fused_routing_shared_reads(least, dtype):
 @pytest.mark.skipif(DEVICE == "cpu" and not os.environ.get("MHAR_SLOW_TESTS"),
                     reason="145 sites take ~4 min in Triton's CPU interpreter: runs on CUDA or with MHAR_SLOW_TESTS=1")
 def test_fused_routing_145_sources():
-    gen = torch.Generator().manual_seed(145)
     N, B, T, d, H = 145, 1, 3, 32, 2
-    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
-    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
-    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
-    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
-    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
+    src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=145)
     fused = chain_grads("fused", src0, qs, gs, shift, up, H, torch.float32)
     ref = chain_grads("reference", src0, qs, gs, shift, up, H, torch.float32)
     for name, a, b in zip(["out", "d_source", "dq", "dg"], fused, ref):

@@ -12,6 +12,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, ".")
 import routing_kernel as new  # noqa: E402
+from bench import graphed  # noqa: E402  (capture after two warm-up calls on a side stream, as bench.py routing does)
 
 spec = importlib.util.spec_from_file_location("rk_old", sys.argv[1])
 old = importlib.util.module_from_spec(spec)
@@ -53,16 +54,7 @@ def grads(step, src, qs, gs, state):
 
 
 def graph_ms(step):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+    return do_bench(graphed(step), warmup=50, rep=300, return_mode="median")
 
 
 EAGER = "--eager" in sys.argv
