@@ -210,11 +210,18 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros_like(t) for t in self.k]
         self.pos, self.layer = 0, 0   # tokens cached; the next attention layer in this forward
+        self.step_pos = None          # DecodeGraph's one-token steps: the position as a (1,) device tensor
 
     def extend(self, k, v):
         """Append one layer's new (B, kv, T, hd) keys and values: all its keys and values so far, and the mask of
         the new queries (None when the plain causal mask, or no mask, is right)."""
         T, i = k.size(2), self.layer
+        if self.step_pos is not None:   # fixed shapes, the position on the device: a CUDA graph can replay it
+            self.layer += 1
+            self.k[i].index_copy_(2, self.step_pos, k)
+            self.v[i].index_copy_(2, self.step_pos, v)
+            seen = (torch.arange(self.max_len, device=k.device) <= self.step_pos)[None]   # (1, max_len): up to here
+            return self.k[i].to(k.dtype), self.v[i].to(v.dtype), seen
         if self.pos + T > self.max_len:
             raise ValueError(f"KVCache full: {self.pos} + {T} tokens > max_len={self.max_len}")
         self.k[i][:, :, self.pos:self.pos + T] = k
@@ -229,6 +236,63 @@ class KVCache:
     def advance(self, T):
         """After a forward over T new tokens: they are cached."""
         self.pos, self.layer = self.pos + T, 0
+
+
+# Generation speed, fenced: one CUDA graph per decode step. A one-token forward is a few hundred small kernels
+# launched from Python; on a GPU the host's launch time, not the kernels, sets the pace of eager decoding. The step
+# below has fixed shapes and addresses (the position lives on the device, attention reads the whole cache under a
+# mask), so it is recorded once per generate call and replayed for every new token.
+
+class DecodeGraph:
+    """One-token steps over a KVCache: step(token (B, 1)) -> logits (B, 1, vocab), cache.pos advanced. capture()
+    records the step as a CUDA graph; built directly (graph None) it runs the same step eagerly (tests)."""
+    MIN_TOKENS = 16   # generate graphs only this many new tokens or more: the capture costs a few eager steps
+
+    def __init__(self, model, cache, token):
+        self.model, self.cache, self.graph, self.logits = model, cache, None, None
+        self.token = token.clone()                                   # the step's input, (B, 1)
+        self.pos = torch.zeros(1, dtype=torch.long, device=token.device)   # its position, on the device
+
+    def _forward(self):
+        self.cache.step_pos = self.pos
+        try:
+            return self.model(self.token, cache=self.cache)[0]
+        finally:
+            self.cache.step_pos = None
+
+    def __call__(self, token):
+        self.token.copy_(token)
+        self.pos.fill_(self.cache.pos)
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        self.cache.pos += 1
+        return self.logits
+
+    @classmethod
+    def capture(cls, model, cache, token):
+        """The graphed step at cache.pos, or False where capture fails (one line says why; generate steps eagerly).
+        The warm-up steps write token's keys and values at cache.pos, as the first replay will again."""
+        step, pos = cls(model, cache, token), cache.pos
+        try:
+            step.pos.fill_(pos)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):   # compile these shapes' kernels and settle the allocator first
+                for _ in range(2):
+                    cache.pos = pos
+                    step._forward()
+            torch.cuda.current_stream().wait_stream(side)
+            graph, cache.pos = torch.cuda.CUDAGraph(), pos
+            with torch.cuda.graph(graph):
+                step.logits = step._forward()
+            step.graph = graph
+        except Exception as e:   # an op that cannot be captured: eager decoding still works
+            GPT._say(f"*** generate: the decode step could not be captured as a CUDA graph ({type(e).__name__}: "
+                     f"{e}); decoding eagerly (pass cuda_graph=False to silence this) ***")
+            step = False
+        cache.pos = pos
+        return step
 
 
 # -----------------------------------------------------------------------------
@@ -449,7 +513,10 @@ class GPT(nn.Module):
         start = 0 if cache is None else cache.pos
         if start + T > self.cfg.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size={self.cfg.block_size}")
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        if cache is not None and cache.step_pos is not None:   # a DecodeGraph step: one token at step_pos
+            cos, sin = self.rope_cos[cache.step_pos], self.rope_sin[cache.step_pos]
+        else:
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         x = self.wte(idx)
         routing = [] if return_routing else None   # per site: alpha (N_j, B, T, H), reference routing only
         mode = self.cfg.residual
@@ -608,22 +675,33 @@ class GPT(nn.Module):
         return None if peak is None else self.flops_per_token(seq_len) * tokens_per_s / peak
 
     @torch.no_grad()
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, stop=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, stop=None, cuda_graph=None):
         """Append max_new_tokens tokens to idx (B, T), every row of one length; temperature 0 means greedy. With the
         KV cache (the default) each new token costs one position's forward. The context is the last block_size
         tokens: a longer prompt is cut to them, and when the cache is full it restarts from the last block_size / 2
         tokens (uncached generation slides a full window instead, so past block_size the two may differ).
-        stop(idx) -> bool: end early when it holds (checked after every token)."""
+        stop(idx) -> bool: end early when it holds (checked after every token). cuda_graph (None: on CUDA, for
+        DecodeGraph.MIN_TOKENS new tokens or more): replay each one-token step as a CUDA graph (DecodeGraph)."""
         L = self.cfg.block_size
-        cache, fed = None, 0   # fed: tokens of idx the cache holds
+        if cuda_graph is None:
+            cuda_graph = idx.is_cuda and max_new_tokens >= DecodeGraph.MIN_TOKENS
+        cache, fed, step = None, 0, None   # fed: tokens of idx the cache holds; step: the graphed decode step
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits, _ = self(idx[:, -L:])
+            elif cache is None or cache.pos == L:   # (re)start: prefill the last tokens
+                keep = min(idx.size(1), L if cache is None else L // 2)
+                if cache is None:
+                    cache = KVCache(self, idx.size(0), L, dtype=self._act_dtype(self.wte.weight))
+                cache.pos, fed = 0, idx.size(1) - keep
+                logits, _ = self(idx[:, fed:], cache=cache)
+                fed = idx.size(1)
+            elif cuda_graph and step is not False:
+                if step is None:
+                    step = DecodeGraph.capture(self, cache, idx[:, -1:])
+                logits = step(idx[:, -1:]) if step else self(idx[:, -1:], cache=cache)[0]
+                fed = idx.size(1)
             else:
-                if cache is None or cache.pos == L:   # (re)start: prefill the last tokens
-                    keep = min(idx.size(1), L if cache is None else L // 2)
-                    cache, fed = KVCache(self, idx.size(0), L, dtype=self._act_dtype(self.wte.weight)), idx.size(1) - keep
                 logits, _ = self(idx[:, fed:], cache=cache)
                 fed = idx.size(1)
             logits = logits[:, -1, :].float()

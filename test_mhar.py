@@ -39,7 +39,7 @@ import prepare_data  # noqa: E402
 import routing_kernel as rk  # noqa: E402
 import train  # noqa: E402
 from bench import run_chain  # noqa: E402   (N routing sites with a sublayer between them, like a model's)
-from model import GPT, GPTConfig, KVCache, peak_flops, route_reference  # noqa: E402
+from model import GPT, GPTConfig, DecodeGraph, KVCache, peak_flops, route_reference  # noqa: E402
 
 MODES = ("baseline", "hyper", "attnres", "mhar")
 
@@ -458,8 +458,9 @@ def test_return_routing_shapes_and_sums(H):
                                            ("mhar", "reference"), ("mhar", "fused"), ("attnres", "fused"),
                                            ("delta", "reference"), ("delta", "fused")])
 def test_kv_cache_gives_the_uncached_logits(residual, impl):
-    """Generation with the KV cache: a prefill, single tokens and a chunk after cached tokens give the logits of the
-    whole sequence run without a cache (fp32, every residual mode, fused routing in the interpreter, B = 3)."""
+    """Generation with the KV cache: a prefill, single tokens, a chunk after cached tokens and DecodeGraph's
+    fixed-shape steps (run eagerly: the position on the device, the whole cache read under a mask) give the logits
+    of the whole sequence run without a cache (fp32, every residual mode, fused routing in the interpreter, B = 3)."""
     if impl == "fused" and not rk.available(DEVICE):
         pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
     torch.manual_seed(0)
@@ -470,13 +471,15 @@ def test_kv_cache_gives_the_uncached_logits(residual, impl):
         for site in m.routing_sites():
             if hasattr(site, "alpha"):
                 site.alpha.fill_(0.7)
-        seq = torch.randint(0, 96, (3, 20), device=DEVICE)
+        seq = torch.randint(0, 96, (3, 24), device=DEVICE)
         full, _ = m(seq)
         cache = KVCache(m, 3)
         pieces = [m(seq[:, :6], cache=cache)[0]]                          # prefill 0..5
         pieces += [m(seq[:, t:t + 1], cache=cache)[0] for t in range(6, 12)]   # one token at a time
         pieces.append(m(seq[:, 12:20], cache=cache)[0])                   # a chunk after cached tokens
-        assert cache.pos == 20
+        step = DecodeGraph(m, cache, seq[:, 20:21])
+        pieces += [step(seq[:, t:t + 1]).clone() for t in range(20, 24)]  # the graphed decode's step, eagerly
+        assert cache.pos == 24 and cache.step_pos is None
         assert (torch.cat(pieces, 1) - full).abs().max().item() < 1e-5 * full.abs().max().item()
 
 
@@ -495,6 +498,31 @@ def test_generate_with_cache_matches_without_and_crops_long_prompts():
     assert torch.equal(first, m.generate(long, 1, temperature=0, use_cache=False))   # both see the last 32 tokens
     stopped = m.generate(prompt, 20, temperature=0, stop=lambda idx: idx.size(1) >= 8)
     assert stopped.shape == (2, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA (the step itself is tested above)")
+@pytest.mark.parametrize("residual", ["baseline", "mhar", "delta"])
+def test_decode_graph_replays_the_eager_steps(residual):
+    """generate's CUDA-graphed decode gives the eager cached decode's greedy tokens (fp32, B = 2, fused routing), also
+    after the cache restarts past block_size, and its captured logits are the eager step's."""
+    torch.manual_seed(0)
+    m = GPT(tiny_cfg(residual=residual, routing_impl="auto", num_blocks=2,
+                     **({"route_heads": 2} if residual == "delta" else {}))).cuda().eval()
+    randomize_routing(m)
+    with torch.no_grad():
+        for site in m.routing_sites():
+            if hasattr(site, "alpha"):
+                site.alpha.fill_(0.7)
+        prompt = torch.randint(0, 96, (2, 7), device="cuda")
+        eager = m.generate(prompt, 40, temperature=0, cuda_graph=False)   # block_size 32: restarts once
+        assert torch.equal(m.generate(prompt, 40, temperature=0, cuda_graph=True), eager)
+        cache = KVCache(m, 2)
+        m(prompt, cache=cache)
+        step = DecodeGraph.capture(m, cache, prompt[:, -1:])
+        assert step and cache.pos == 7
+        graphed = step(eager[:, 7:8]).clone()
+        cache.pos = 7
+        torch.testing.assert_close(graphed, DecodeGraph(m, cache, eager[:, 7:8])(eager[:, 7:8]), rtol=1e-5, atol=1e-5)
 
 
 def test_generate_and_mfu():
@@ -1575,7 +1603,7 @@ def test_bench_generate_smoke(tmp_path):
     """bench.py generate (the KV cache's speed against uncached generation): runs on the CPU at the tiny scale."""
     rows = bench.generate_main(["--scale=tiny", "--device=cpu", "--prompt=8", "--new=4", "--batch=1,2",
                                 f"--output={tmp_path / 'g.json'}"])
-    assert [(r["batch"], r["cache"]) for r in rows] == [(1, True), (1, False), (2, True), (2, False)]
+    assert [(r["batch"], r["way"]) for r in rows] == [(b, w) for b in (1, 2) for w in ("cache, eager", "no cache")]
     assert all(r["tok_s"] > 0 for r in rows) and json.load(open(tmp_path / "g.json"))["rows"] == rows
 
 
