@@ -213,7 +213,7 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of 3 steps per run")
     p.add_argument("--cuda_graph", default="True", choices=("True", "False"),
                    help="replay forward+backward as one CUDA graph (train.py --cuda_graph); CUDA only")
-    p.add_argument("--output", default="bench.json", help="results JSON")
+    p.add_argument("--output", default="out/bench.json", help="results JSON")
     args = p.parse_args(argv)
     scales = [s.strip() for s in args.scales.split(",") if s.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -250,8 +250,14 @@ def main(argv=None):
             print(f"{scale:5s} {variant:14s} {row['tok_s']:>12,.0f} tok/s  {row['step_ms']:8.1f} ms/step  "
                   + (f"peak {row['peak_gb']:5.1f} GB  " if row["peak_gb"] is not None else "")
                   + (f"mfu {100 * row['mfu']:4.1f}%  " if row["mfu"] is not None else "")
-                  + (f"routing {ms:6.2f} ms ({100 * row['routing_share']:.0f}%)" if ms else ""), flush=True)
+                  + (f"routing {ms:6.2f} ms ({100 * row['routing_share']:.0f}%)" if ms else "")
+                  + (" (the reference routing: the fused kernels need CUDA)" if "fused" in variant and not rk.available(args.device)
+                     else ""),
+                  flush=True)
     print(table(rows, scales, variants))
+    if any("fused" in v for v in variants) and not rk.available(args.device):
+        print(f"(the *_fused rows ran the reference routing: the fused kernels need CUDA, the device is {args.device})")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump({"header": header, "args": vars(args), "rows": rows}, f, indent=1)
     print(f"wrote {args.output}")
@@ -271,7 +277,7 @@ def generate_main(argv):
     p.add_argument("--new", type=int, default=512, help="generated tokens")
     p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--residual", default="mhar", choices=("baseline", "hyper", "attnres", "mhar"))
-    p.add_argument("--output", default="generate_bench.json")
+    p.add_argument("--output", default="out/generate_bench.json", help="results JSON")
     args = p.parse_args(argv)
     kw, _ = scale_config(args.scale, 50304)
     model = GPT(GPTConfig(**{**kw, "residual": args.residual})).to(args.device).eval()
@@ -299,6 +305,7 @@ def generate_main(argv):
         base = rows[-1]["tok_s"]
         print(f"  batch {B}: " + ", ".join(f"{r['way']} {r['tok_s'] / base:.1f}x" for r in rows[-len(ways):-1]) +
               " the tokens/s of no cache", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}, f, indent=1)
     return rows
@@ -618,7 +625,7 @@ def routing_main(argv):
     p.add_argument("--check-only", action="store_true", help="only the correctness checks, then exit")
     p.add_argument("--authors", metavar="PATH", help="side by side with the authors' fused kernel (your copy of their "
                    "mhar_triton.py): eager and CUDA-graph time, memory, fraction of the bandwidth bound; then exit")
-    p.add_argument("--output", default="routing_bench.json", help="results JSON")
+    p.add_argument("--output", default="out/routing_bench.json", help="results JSON")
     args = p.parse_args(argv)
     device = args.device
     if device == "cpu" and not rk.available("cpu"):
@@ -677,6 +684,7 @@ def routing_main(argv):
                     print(f"{name:11s} fused kernels (profiler, ms): {profile_chain(N, B, T, d, H, device)}", flush=True)
                 except Exception as e:   # the profiler's event fields move between torch versions
                     print(f"profiler failed: {e!r}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump({"header": header, "copy_gbps": copy_bw, "rows": rows}, f, indent=1)
     print(f"wrote {args.output}")

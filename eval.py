@@ -4,7 +4,7 @@ Evaluate a checkpoint (paper Table 2), probe its routing (Table 6, Figure 4), pl
   python eval.py --harness --out_dir=out/mhar_100m                           # lm-evaluation-harness (the paper's)
   python eval.py --harness --out_dir=out/mhar_100m --data_root=../shared/data/eval   # its tasks over local files
   python eval.py --out_dir=out/mhar_100m                                     # our protocols, data from the Hub
-  python eval.py --out_dir=out/mhar_100m --data_root=../shared/data/eval --limit=500 --output=eval.json
+  python eval.py --out_dir=out/mhar_100m --data_root=../shared/data/eval --limit=500   # -> out_dir/eval.limit500.json
   python eval.py --probe --out_dir=out/mhar_100m --data_dir=data/fineweb_edu # routing maps, Figure 4, Table 6
   python eval.py --plot out/baseline_100m/log.jsonl out/mhar_100m/log.jsonl --output=curves.png
 
@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, route_reference
-from prepare_data import TokenData, load_tokenizer
+from prepare_data import TokenData, checkpoint_tokenizer
+from train import read_log
 
 TASKS = ("wikitext2", "lambada", "hellaswag")
 LOCAL = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "lambada": "lambada/lambada_test.jsonl",
@@ -74,10 +75,15 @@ def load_task(task, data_root=None, wikitext_split="test"):
         except ImportError as e:
             raise RuntimeError("reading the evaluation sets from the Hub needs `pip install datasets`; "
                                "or pass --data_root=DIR with local copies (e.g. ../shared/data/eval)") from e
-        if task == "wikitext2":   # rows are the file's lines, newlines kept: joined they are the raw file
-            return "".join(datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split=wikitext_split)["text"])
-        name, split = {"lambada": ("EleutherAI/lambada_openai", "test"), "hellaswag": ("Rowan/hellaswag", "validation")}[task]
-        rows = list(datasets.load_dataset(name, split=split))
+        try:
+            if task == "wikitext2":   # rows are the file's lines, newlines kept: joined they are the raw file
+                return "".join(datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split=wikitext_split)["text"])
+            name, split = {"lambada": ("EleutherAI/lambada_openai", "test"), "hellaswag": ("Rowan/hellaswag", "validation")}[task]
+            rows = list(datasets.load_dataset(name, split=split))
+        except (OSError, ConnectionError, TimeoutError) as e:   # offline: the Hub client's errors derive from these
+            raise RuntimeError(f"could not load {task} from the Hugging Face Hub ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}); without a network, pass --data_root=DIR "
+                               "with local copies (laid out like ../shared/data/eval)") from None
     if task == "lambada":
         return [r["text"] for r in rows]
     return [(r["ctx"], list(r["endings"]), int(r["label"])) for r in rows]   # the Hub's labels are strings
@@ -187,11 +193,13 @@ def eval_hellaswag(scorer, enc, rows, limit=None):
 EVALS = {"wikitext2": eval_wikitext2, "lambada": eval_lambada, "hellaswag": eval_hellaswag}
 
 
-def load_model(out_dir, device):
+def load_model(out_dir, device, tokenizer=None):
+    """The checkpoint's model (eval mode) and tokenizer (`tokenizer` overrides the one it records); the tokenizer's
+    name is model.checkpoint_info["tokenizer_used"]."""
     model = GPT.from_checkpoint(out_dir, device=device)
     model.eval()
-    info = model.checkpoint_info
-    enc = load_tokenizer(info.get("tokenizer") or "gpt2", base_dir=info["dir"])
+    enc, model.checkpoint_info["tokenizer_used"] = checkpoint_tokenizer(model.checkpoint_info, model.cfg.vocab_size,
+                                                                        tokenizer)
     return model, enc
 
 
@@ -219,10 +227,10 @@ def harness_lm(model, enc, max_length, batch_size, device, max_gen_toks=256):
 
     class MHARLM(TemplateLM):
         def __init__(self, pretrained=None, model=None, enc=None, max_length=None, batch_size=16, device="cpu",
-                     max_gen_toks=256):
+                     max_gen_toks=256, tokenizer=None):
             super().__init__()
-            if model is None:   # from the harness' command line: --model_args pretrained=OUT_DIR
-                model, enc = load_model(pretrained, device)
+            if model is None:   # from the harness' command line: --model_args pretrained=OUT_DIR[,tokenizer=...]
+                model, enc = load_model(pretrained, device, tokenizer)
             self.model, self.enc, self.device_ = model, enc, device
             self.max_length = int(max_length or default_block_size(model))
             self.batch_size, self.max_gen_toks = int(batch_size), int(max_gen_toks)
@@ -467,7 +475,7 @@ def plot_logs(paths, output, smooth=0.9):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for path in paths:
-        recs = [json.loads(line) for line in open(path) if line.strip()]
+        recs = read_log(path)   # a partial last line (a run that stopped mid-write) is left out
         train = {r["step"]: r["loss"] for r in recs if "loss" in r}   # the last record of a step counts (resumes)
         val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
         if not train and not val:
@@ -506,6 +514,8 @@ def main(argv=None):
     p.add_argument("--output", default=None, help="results JSON (default: out_dir/eval.json); with --plot: the PNG")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--batch_size", type=int, default=16, help="sequences per forward")
+    p.add_argument("--tokenizer", default=None, help="tiktoken name or tokenizer.json (default: the checkpoint's; "
+                   "recorded in the results JSON)")
     p.add_argument("--probe", action="store_true", help="routing maps, Figure 4 and Table 6 instead of the tasks")
     p.add_argument("--data_dir", default=None, help="--probe: prepare_data.py folder whose val.bin is probed "
                    "(default: WikiText-2 validation text)")
@@ -528,7 +538,7 @@ def main(argv=None):
                 raise ValueError(f"--{name}={v} is too small")
         if args.batch_size < 1:
             raise ValueError(f"--batch_size={args.batch_size} must be >= 1")
-        model, enc = load_model(args.out_dir, args.device)
+        model, enc = load_model(args.out_dir, args.device, args.tokenizer)
         if args.block_size and args.block_size > model.cfg.block_size:
             raise ValueError(f"--block_size={args.block_size} exceeds the model's {model.cfg.block_size}")
         base = model.checkpoint_info["dir"]
@@ -547,7 +557,9 @@ def main(argv=None):
                   flush=True)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         sys.exit(f"eval.py: error: {e}")
-    output = args.output or os.path.join(base, "eval_harness.json" if args.harness else "eval.json")
+    name = "eval_harness" if args.harness else "eval"
+    output = args.output or os.path.join(base, f"{name}.json" if args.limit is None else f"{name}.limit{args.limit}.json")
+    results["tokenizer"] = model.checkpoint_info["tokenizer_used"]
     with open(output + ".tmp", "w") as f:
         json.dump(results, f, indent=1)
     os.replace(output + ".tmp", output)

@@ -741,11 +741,33 @@ class GPT(nn.Module):
             path = os.path.join(path, "ckpt.pt")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no checkpoint at {path}: pass a ckpt.pt file or the out_dir of a train.py run")
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt = read_checkpoint(path)
         model = cls.from_state(GPTConfig.from_dict(ckpt["model_config"]), ckpt["model"]).float()
         model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
         model.checkpoint_info["dir"] = os.path.dirname(os.path.abspath(path))   # a tokenizer.json lives beside it
         return model.to(device)
+
+
+def previous_checkpoint(path):
+    """Where train.py keeps the checkpoint before `path` (out_dir/ckpt.pt -> out_dir/ckpt.prev.pt)."""
+    root, ext = os.path.splitext(path)
+    return root + ".prev" + ext
+
+
+def read_checkpoint(path):
+    """torch.load of a checkpoint (memory-mapped: tensors are read when used), or a ValueError naming the file, what
+    is wrong with it and what to do (torch's own message for a truncated or foreign file points elsewhere)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:
+        import zipfile
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        what = ("is empty" if size == 0 else "is not a torch.save archive (truncated, or not a checkpoint)"
+                if size and not zipfile.is_zipfile(path) else f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})")
+        prev = previous_checkpoint(path)
+        hint = (f"; the checkpoint before it is {prev}: pass that file, or move {path} aside" if os.path.isfile(prev)
+                else "; rerun the training that wrote it (train.py --init_from=resume falls back to ckpt.prev.pt)")
+        raise ValueError(f"checkpoint {path} {what}{hint}") from e
 
 
 PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrings of the device name

@@ -80,6 +80,26 @@ def load_tokenizer(name, base_dir=None):
             "to a folder that holds its cached files (e.g. ../shared/data/tiktoken_cache)") from e
 
 
+GPT2_VOCABS = (50257, 50304)   # GPT-2's vocabulary, and train.py's padding of it to a multiple of 128
+
+
+def checkpoint_tokenizer(info, vocab_size, override=None):
+    """(encoder, name) for a checkpoint (model.checkpoint_info): `override` (--tokenizer) when given, else the
+    tokenizer it records. One that records none is read as GPT-2 only when its vocabulary is GPT-2's; any other is
+    refused with the fix (a model is never scored or sampled through another model's tokenizer)."""
+    name = override or info.get("tokenizer")
+    if name is None:
+        if vocab_size not in GPT2_VOCABS:
+            raise ValueError(f"the checkpoint in {info['dir']} records no tokenizer and its vocabulary ({vocab_size}) "
+                             "is not GPT-2's: pass --tokenizer= with the model's tokenizer.json (or a tiktoken name)")
+        name = "gpt2"
+    enc = load_tokenizer(name, base_dir=info["dir"])
+    if enc.n_vocab > vocab_size:
+        raise ValueError(f"tokenizer {name!r} has {enc.n_vocab} tokens, more than the model's vocabulary "
+                         f"({vocab_size}): not this model's tokenizer; pass its own with --tokenizer=")
+    return enc, name
+
+
 def tokenizer_id(name):
     """What identifies a tokenizer across machines: the tiktoken name, or the sha1 of the tokenizer.json."""
     if not name.endswith(".json"):
@@ -120,19 +140,41 @@ def read_documents(paths, text_field="text"):
             for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
                 yield from (t for t in batch.column(0).to_pylist() if t)
         elif path.endswith(".txt"):
-            with open(path, encoding="utf-8") as f:
-                yield f.read()
+            try:
+                with open(path, encoding="utf-8") as f:
+                    yield f.read()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
         else:
-            opener = {".gz": gzip.open, ".xz": lzma.open}.get(os.path.splitext(path)[1], open)
-            with opener(path, "rt", encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
+            yield from _jsonl_texts(path, text_field)
+
+
+def _jsonl_texts(path, text_field):
+    """The text field of every row of a .jsonl[.gz|.xz] file; bad rows are errors naming the file and line."""
+    opener = {".gz": gzip.open, ".xz": lzma.open}.get(os.path.splitext(path)[1], open)
+    lineno = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
                     row = json.loads(line)
-                    if text_field not in row:
-                        raise KeyError(f"{path}:{lineno}: no field {text_field!r} (fields: {list(row)}); use --text_field=")
-                    if row[text_field]:
-                        yield row[text_field]
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not a JSON object ({e.msg}, column {e.colno})") from None
+                if not isinstance(row, dict) or text_field not in row:
+                    raise KeyError(f"{path}:{lineno}: no field {text_field!r} (fields: "
+                                   f"{list(row) if isinstance(row, dict) else type(row).__name__}); use --text_field=")
+                text = row[text_field]
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"{path}:{lineno}: field {text_field!r} holds {type(text).__name__} "
+                                     f"{str(text)[:40]!r}, not a string")
+                if text:
+                    yield text
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text after line {lineno} ({e.reason}); convert it to UTF-8") from None
+    except (EOFError, lzma.LZMAError, gzip.BadGzipFile) as e:
+        raise ValueError(f"{path}: the compressed file is damaged or truncated after line {lineno} ({e})") from None
 
 
 def hub_documents(text_field="text"):
@@ -140,8 +182,15 @@ def hub_documents(text_field="text"):
         from datasets import load_dataset  # imported lazily: only the Hub path needs it
     except ImportError as e:
         raise RuntimeError("streaming FineWeb-Edu needs `pip install datasets`; or pass local files with --input=") from e
-    ds = load_dataset(HUB_DATASET, name=HUB_CONFIG, split="train", streaming=True)
-    return (row[text_field] for row in ds if row[text_field])
+    offline = (f"could not stream {HUB_DATASET} ({HUB_CONFIG}) from the Hugging Face Hub ({{}}); without a network, "
+               "pass local files: --input=FILE_OR_DIR (and --val_input=)")
+    try:
+        ds = load_dataset(HUB_DATASET, name=HUB_CONFIG, split="train", streaming=True)
+        for row in ds:
+            if row[text_field]:
+                yield row[text_field]
+    except (OSError, ConnectionError, TimeoutError) as e:   # requests' and the Hub client's errors derive from these
+        raise RuntimeError(offline.format(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")) from None
 
 
 _enc = None
@@ -205,6 +254,12 @@ class TokenWriter:
         self.f.close()
         os.replace(self.path + ".tmp", self.path)
 
+    def abort(self):
+        """A failed prepare: close and remove the partial file."""
+        self.f.close()
+        if os.path.exists(self.path + ".tmp"):
+            os.remove(self.path + ".tmp")
+
 
 class TokenData:
     """The reader of a TokenWriter file: the tokens cut into non-overlapping sequences of block_size (+1 for the
@@ -212,6 +267,13 @@ class TokenData:
     sequence of a run is a pure function of k, so a resumed run and any number of processes see the same data."""
 
     def __init__(self, path, dtype, block_size, seed):
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} not found: prepare the data folder with prepare_data.py --out_dir="
+                             f"{os.path.dirname(path) or '.'}")
+        size, width = os.path.getsize(path), np.dtype(dtype).itemsize
+        if size == 0 or size % width:
+            raise ValueError(f"{path} is {'empty' if size == 0 else f'{size} bytes, not a whole number of {dtype} tokens'}:"
+                             " a damaged or unfinished file; prepare the data again (prepare_data.py --force)")
         self.data = np.memmap(path, dtype=dtype, mode="r")
         self.T, self.seed = block_size, seed
         self.n_seq = (len(self.data) - 1) // block_size
@@ -237,7 +299,6 @@ class TokenData:
 
 def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_tokens=100_000_000,
             max_val_tokens=None, val_fraction=0.01, text_field="text", workers=None, force=False):
-    from tqdm import tqdm
     enc = load_tokenizer(tokenizer)   # fail early, before reading any data
     if not val_input and not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1) when no --val_input is given")
@@ -251,14 +312,29 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
     if existing and not force:
         raise FileExistsError(f"{out_dir} already holds {', '.join(map(os.path.basename, existing))}: "
                               "choose another --out_dir or pass --force to overwrite")
-    os.makedirs(out_dir, exist_ok=True)
     workers = workers or min(os.cpu_count() or 1, 16)
     dtype = token_dtype(enc.n_vocab)
     inputs = resolve_inputs(input) if input else None
     val_inputs = resolve_inputs(val_input) if val_input else None
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    train, val = TokenWriter(files["train.bin"], dtype), TokenWriter(files["val.bin"], dtype)
+    try:
+        return _prepare(enc, inputs, val_inputs, train, val, files, out_dir, tokenizer, max_tokens, max_val_tokens,
+                        val_fraction, text_field, workers, dtype)
+    except BaseException:   # leave no partial files, and no folder this call made
+        train.abort()
+        val.abort()
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
+
+
+def _prepare(enc, inputs, val_inputs, train, val, files, out_dir, tokenizer, max_tokens, max_val_tokens, val_fraction,
+             text_field, workers, dtype):
+    from tqdm import tqdm
     docs = read_documents(inputs, text_field) if inputs else hub_documents(text_field)
     every = None if val_inputs else max(1, round(1 / val_fraction))
-    train, val = TokenWriter(files["train.bin"], dtype), TokenWriter(files["val.bin"], dtype)
     t0 = time.time()
     bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({workers} workers)")
     for i, toks in enumerate(encode_stream(docs, tokenizer, workers)):

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 
 from model import GPT
-from prepare_data import load_tokenizer
+from prepare_data import checkpoint_tokenizer
 
 
 def main(argv=None):
@@ -24,6 +24,7 @@ def main(argv=None):
     p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--seed", type=int, default=1337, help="sampling seed")
+    p.add_argument("--tokenizer", default=None, help="tiktoken name or tokenizer.json (default: the checkpoint's)")
     args = p.parse_args(argv)
     if args.temperature < 0:
         sys.exit(f"sample.py: error: --temperature={args.temperature} must be >= 0")
@@ -31,10 +32,11 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     try:
         model = GPT.from_checkpoint(args.out_dir, device=args.device)
-    except FileNotFoundError as e:
+        enc, name = checkpoint_tokenizer(model.checkpoint_info, model.cfg.vocab_size, args.tokenizer)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"sample.py: error: {e}")
     model.eval()
-    enc = load_tokenizer(model.checkpoint_info.get("tokenizer") or "gpt2", base_dir=model.checkpoint_info["dir"])
+    print(f"tokenizer: {name}", file=sys.stderr)
     start = args.start
     if start.startswith("FILE:"):
         with open(start[5:], encoding="utf-8") as f:

@@ -1001,10 +1001,78 @@ def test_tokenizer_error_is_actionable(monkeypatch, tmp_path):
     (["--lr_schedule=cos"], r"lr_schedule='cos' is not one of cosine, linear, 1-sqrt"),
     (["--n_embd=512", "--route_heads=3"], r"n_embd=512 must be divisible by route_heads=3"),
     (["no_such_config.py"], r"config file 'no_such_config.py' not found"),
+    (["--lr=-1"], r"lr=-1.0 must be positive"),
+    (["--min_lr_ratio=2"], r"min_lr_ratio=2.0 must be in \[0, 1\]"),
+    (["--weight_decay=-0.1"], r"weight_decay=-0.1 must be >= 0"),
+    (["--grad_clip=-1"], r"grad_clip=-1.0 must be >= 0"),
+    (["--warmup_steps=-5"], r"warmup_steps=-5 must be >= 0"),
+    (["--beta2=1"], r"beta2=1.0 must be in \[0, 1\)"),
+    (["--device=gpu"], r"device='gpu' is not one of auto, cpu, cuda, cuda:N"),
 ])
 def test_bad_train_options(argv, msg):
     with pytest.raises(ValueError, match=msg):
         train.parse_args(argv)
+
+
+def test_config_file_errors_name_the_file_and_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("n_layer = 4\nlr = (1e-3\n")
+    with pytest.raises(ValueError, match=rf"config file {re.escape(str(bad))}, line 2: "):
+        train.parse_args([str(bad)])
+    bad.write_text("n_layer = undefined_name\n")
+    with pytest.raises(ValueError, match=r"NameError: name 'undefined_name' is not defined"):
+        train.parse_args([str(bad)])
+
+
+def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
+    """Damaged data folders and a too-small --eval_tokens: exit 2 with one line naming the file and the fix."""
+    def broken(name, edit):
+        d = tmp_path / name
+        shutil.copytree(data_dir, d)
+        edit(d)
+        return str(d)
+    cases = [
+        (broken("empty", lambda d: open(d / "val.bin", "w").close()), r"val.bin is empty"),
+        (broken("odd", lambda d: open(d / "train.bin", "ab").write(b"x")), r"train.bin is \d+ bytes, not a whole number"),
+        (broken("meta", lambda d: (d / "meta.json").write_text("{")), r"meta.json is not prepare_data.py's JSON"),
+        (broken("noval", lambda d: os.remove(d / "val.bin")), r"val.bin not found: prepare the data folder"),
+    ]
+    for d, msg in cases:
+        r = run_train(str(tmp_path / "out"), d, "--max_steps=1")
+        assert r.returncode != 0 and re.search(msg, r.stderr) and "Traceback" not in r.stderr, r.stderr
+    r = run_train(str(tmp_path / "out"), data_dir, "--max_steps=1", "--eval_tokens=100")
+    assert r.returncode != 0 and "eval_tokens=100 is less than one eval batch" in r.stderr
+    assert not os.path.exists(tmp_path / "out" / "train.lock")
+
+
+@pytest.mark.parametrize("line,msg", [
+    ('{"text": "ok"}\n{"text": 123}\n', r"bad.jsonl:2: field 'text' holds int"),
+    ('{"text": "ok"}\n\n{"text": "a" oops}\n', r"bad.jsonl:3: not a JSON object"),
+    ('{"body": "no text field"}\n', r"bad.jsonl:1: no field 'text'"),
+    (b'{"text": "caf\xe9"}\n', r"bad.jsonl: not UTF-8 text"),
+])
+def test_bad_input_documents_name_file_and_line(tmp_path, line, msg):
+    src = tmp_path / "bad.jsonl"
+    (src.write_bytes if isinstance(line, bytes) else src.write_text)(line)
+    out = tmp_path / "prepared"
+    with pytest.raises((ValueError, KeyError), match=msg):
+        prepare_data.prepare(input=str(src), out_dir=str(out), workers=1)
+    assert not out.exists()   # nothing left behind: no folder, no .tmp files
+
+
+def test_hub_offline_gives_the_local_input_hint(tmp_path, monkeypatch):
+    """No network: prepare_data.py's default (FineWeb-Edu from the Hub) fails with the --input= hint, leaving nothing."""
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    out = tmp_path / "fw"
+    with pytest.raises(RuntimeError, match=r"without a network, pass local files: --input="):
+        prepare_data.prepare(out_dir=str(out), workers=1)
+    assert not out.exists()
+    with pytest.raises(RuntimeError, match=r"pass --data_root=DIR"):
+        evaluate.load_task("lambada")
 
 
 def test_train_options_parse():
@@ -1076,12 +1144,163 @@ def test_kill_and_resume_is_bitwise(tmp_path, data_dir):
     assert r.returncode == 0, r.stderr
 
 
-def test_nonfinite_loss_stops_before_save(tmp_path, data_dir):
+# ---- faults a user meets: non-finite states, broken logs and checkpoints, a shared out_dir, stops --------------------
+
+def strict_log(out_dir):
+    """Every line of log.jsonl as strict JSON (a bare NaN or Infinity is an error)."""
+    def refuse(name):
+        raise ValueError(f"{name} in log.jsonl")
+    return [json.loads(line, parse_constant=refuse) for line in open(os.path.join(out_dir, "log.jsonl"))]
+
+
+def all_finite(path):
+    ckpt = torch.load(path, weights_only=False)
+    return all(torch.isfinite(t).all() for t in ckpt["model"].values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize("extra", [["--max_steps=20", "--eval_interval=1"],    # a save at every step
+                                   ["--max_steps=2"]],                          # the last step's save
+                         ids=["every-step", "last-step"])
+def test_nonfinite_weights_are_never_saved(tmp_path, data_dir, extra):
+    """--lr=1e6: the losses stay finite a step longer than the weights. The run stops with exit 2 before saving
+    non-finite weights, says truly which checkpoint is intact, and its log stays strict JSON."""
     out = str(tmp_path / "nan")
-    r = run_train(out, data_dir, "--max_steps=20", "--eval_interval=1", "--lr=1e30", "--warmup_steps=1", "--grad_clip=0")
+    r = run_train(out, data_dir, "--lr=1e6", "--warmup_steps=1", *extra)
     assert r.returncode == 2, r.stdout + r.stderr
-    bad = int(re.search(r"non-finite loss \S+ at step (\d+)", r.stdout).group(1))
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == bad - 1
+    assert re.search(r"non-finite (weights|loss|gradient norm|validation loss)", r.stdout), r.stdout
+    ckpt = os.path.join(out, "ckpt.pt")
+    kept = re.search(r"The last checkpoint, \S+ \(step (\d+)\), is intact", r.stdout)
+    if kept:
+        assert torch.load(ckpt, weights_only=False)["step"] == int(kept.group(1)) and all_finite(ckpt)
+    else:
+        assert "This run has saved no checkpoint" in r.stdout and not os.path.exists(ckpt)
+    for path in (ckpt, ckpt.replace("ckpt.pt", "ckpt.prev.pt")):
+        assert not os.path.exists(path) or all_finite(path)
+    strict_log(out)
+
+
+def test_log_with_a_partial_last_line_resumes_and_plots(tmp_path, data_dir):
+    """A log.jsonl whose last line was cut short (disk full, power loss): resume cuts it (one line says so), moves the
+    records past the checkpoint aside, and eval.py --plot reads the log; a bad line mid-file is an error naming it."""
+    out = str(tmp_path / "o")
+    assert run_train(out, data_dir, "--max_steps=6", "--eval_interval=3").returncode == 0
+    log = os.path.join(out, "log.jsonl")
+    with open(log, "a") as f:   # the stopped run went past its checkpoint (step 7), then died mid-line
+        f.write(json.dumps({"step": 7, "loss": 5.0, "lr": 1e-3, "dt_ms": 1.0, "tok_per_s": 1.0}) + '\n{"step": 8, "lo')
+    evaluate.main(["--plot", log, f"--output={tmp_path / 'c.png'}"])   # the partial line is left out
+    r = run_train(out, data_dir, "--max_steps=9", "--eval_interval=3", "--init_from=resume")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "removed a partial last line" in r.stdout and "1 records after step 6" in r.stdout
+    steps, evals = read_log(out)
+    assert sorted(steps) == list(range(1, 10)) and sorted(evals) == [0, 3, 6, 9]
+    assert len([rec for rec in strict_log(out) if "loss" in rec]) == 9   # no step twice
+    assert [json.loads(l)["step"] for l in open(glob.glob(os.path.join(out, "log.after-step6.*.jsonl"))[0])] == [7]
+    with open(log, "r+") as f:
+        lines = f.readlines()
+        f.seek(0)
+        f.writelines(lines[:2] + ["not json\n"] + lines[2:])
+    with pytest.raises(ValueError, match=r"log.jsonl, line 3: not JSON"):
+        train.read_log(log)
+
+
+def test_one_run_per_out_dir(tmp_path, data_dir):
+    """A second run into a live out_dir is refused (the first run's log and checkpoint untouched); after the first
+    dies (kill -9 leaves its lock), the next run takes the stale lock over."""
+    out = str(tmp_path / "o")
+    first = run_train(out, data_dir, "--max_steps=100000", "--eval_interval=100000", wait=False)   # never saves
+    lock = os.path.join(out, "train.lock")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(lock) and os.path.exists(os.path.join(out, "log.jsonl"))):
+        time.sleep(0.05)
+    try:
+        second = run_train(out, data_dir, "--max_steps=2")
+        assert second.returncode != 0 and f"is in use by a running train.py (pid {first.pid}" in second.stderr, second.stderr
+        assert first.poll() is None and not glob.glob(os.path.join(out, "log.2*.jsonl"))   # its log was not moved
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert json.load(open(lock))["pid"] == first.pid   # left behind by the killed run
+    r = run_train(out, data_dir, "--max_steps=2", "--eval_interval=2", "--init_from=scratch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"taking over {lock} from pid {first.pid}" in r.stdout and not os.path.exists(lock)
+
+
+def test_unreadable_checkpoint_falls_back_to_the_previous(tmp_path, data_dir):
+    """Each save keeps the checkpoint before it (ckpt.prev.pt). A truncated ckpt.pt: resume takes ckpt.prev.pt with one
+    line and moves the broken file aside; eval.py / sample.py name the file and the fix; a step-6 checkpoint of a
+    longer run resumed from step 3 gives the same losses."""
+    full, out = str(tmp_path / "full"), str(tmp_path / "o")
+    assert run_train(full, data_dir, "--max_steps=9", "--eval_interval=3").returncode == 0
+    assert run_train(out, data_dir, "--max_steps=6", "--eval_interval=3", "--lr_decay_steps=60").returncode == 0
+    ckpt, prev = os.path.join(out, "ckpt.pt"), os.path.join(out, "ckpt.prev.pt")
+    assert torch.load(ckpt, weights_only=False)["step"] == 6 and torch.load(prev, weights_only=False)["step"] == 3
+    with open(ckpt, "r+b") as f:
+        f.truncate(os.path.getsize(ckpt) // 2)
+    with pytest.raises(ValueError, match=r"ckpt.pt is not a torch.save archive .*the checkpoint before it is .*ckpt.prev.pt"):
+        GPT.from_checkpoint(out)
+    s = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu"],
+                       capture_output=True, text=True)
+    assert s.returncode != 0 and "ckpt.pt is not a torch.save archive" in s.stderr and "Traceback" not in s.stderr
+    r = run_train(out, data_dir, "--max_steps=9", "--eval_interval=3", "--init_from=resume")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resuming from the checkpoint before it" in r.stdout and glob.glob(ckpt + ".unreadable-*")
+    a, b = read_log(full), read_log(out)
+    assert all(a[0][s]["loss"] == b[0][s]["loss"] for s in range(1, 10))
+    for bad in (ckpt, prev):   # neither readable: one clear error
+        with open(bad, "wb") as f:
+            f.write(b"not a checkpoint")
+    r = run_train(out, data_dir, "--max_steps=12", "--eval_interval=3", "--init_from=resume")
+    assert r.returncode != 0 and "no checkpoint can be read" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_save_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A write error mid-save (here: the disk fills) removes the partial file, leaves ckpt.pt and ckpt.prev.pt as they
+    were and says so in one line."""
+    cfg = train.parse_args(["--device=cpu"])
+    rt = train.setup_runtime(cfg)
+    model = GPT(tiny_cfg())
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+    path = str(tmp_path / "ckpt.pt")
+    for step in (1, 2):
+        train.save_checkpoint(path, model, opt, None, step, {}, cfg, rt)
+    real_save = torch.save
+
+    def full_disk(obj, f):
+        real_save({"half": torch.zeros(1000)}, f)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(train.CheckpointWriteError) as e:
+        train.save_checkpoint(path, model, opt, None, 3, {}, cfg, rt)
+    assert "saving the step-3 checkpoint failed: no space left on the device of" in str(e.value)
+    assert f"Intact: {path} (step 2), {tmp_path / 'ckpt.prev.pt'} (step 1)" in str(e.value)
+    assert not os.path.exists(path + ".tmp")
+    assert torch.load(path, weights_only=False)["step"] == 2
+
+
+def test_sigterm_saves_and_the_resumed_run_matches(tmp_path, data_dir):
+    """SIGTERM (a cluster's preemption) mid-run: the current step finishes, a checkpoint is saved, exit 143; resuming
+    from it gives the uninterrupted run's losses and evals exactly."""
+    full, stopped = str(tmp_path / "full"), str(tmp_path / "stopped")
+    assert run_train(full, data_dir, "--max_steps=24", "--eval_interval=12").returncode == 0
+    proc = run_train(stopped, data_dir, "--max_steps=24", "--eval_interval=12", wait=False)
+    log = os.path.join(stopped, "log.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(log) and any(json.loads(l).get("step", 0) >= 14 for l in open(log) if l.endswith("\n")):
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    out = proc.communicate()[0]
+    assert proc.returncode == 143, out
+    at = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
+    assert 14 <= at < 24 and torch.load(os.path.join(stopped, "ckpt.pt"), weights_only=False)["step"] == at
+    r = run_train(stopped, data_dir, "--max_steps=24", "--eval_interval=12", "--init_from=resume")
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = read_log(full), read_log(stopped)
+    assert sorted(a[0]) == sorted(b[0]) and all(a[0][s]["loss"] == b[0][s]["loss"] for s in a[0])
+    assert all(a[1][s]["val_loss"] == b[1][s]["val_loss"] for s in a[1])
+    r = run_train(stopped, data_dir, "--max_steps=24", "--eval_interval=12", "--init_from=resume")   # nothing left
+    assert r.returncode == 0 and "nothing to train" in r.stdout
 
 
 def test_ddp_two_processes_match_one(tmp_path, data_dir):
@@ -1404,6 +1623,29 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
     r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--data_dir={corpus_gpt2(tmp_path, corpus)}",
                         f"--out_dir={out}2", f"--init_from={conv}", *args, "--max_steps=1"], capture_output=True, text=True)
     assert r.returncode != 0 and "tokenized with 'gpt2'" in r.stderr
+    # architecture options a converted model would ignore are refused, when starting and when resuming
+    for where, start in ((f"{out}_arch", f"--init_from={conv}"), (out, "--init_from=resume")):
+        r = subprocess.run(cmd[:3] + [f"--out_dir={where}", start, *args, "--max_steps=8", "--n_layer=5"],
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and "would be ignored: --n_layer=5 (checkpoint: 4)" in r.stderr, r.stderr
+
+
+def test_checkpoint_without_tokenizer_is_refused(tmp_path):
+    """A converted model whose folder holds no tokenizer (vocab 259, not GPT-2's) is never read through GPT-2:
+    eval.py and sample.py refuse with the fix; --tokenizer= works and is recorded."""
+    hf_dir, conv = str(tmp_path / "hf"), str(tmp_path / "conv")
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
+    tok = write_tiny_tokenizer(str(tmp_path / "tokenizer.json"))   # beside the model folder, not in it
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={conv}", "--num_blocks=2", "--check_batches=1"])
+    sample = [sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={conv}", "--device=cpu", "--max_new_tokens=3"]
+    r = subprocess.run(sample, capture_output=True, text=True)
+    assert r.returncode != 0 and "records no tokenizer and its vocabulary (259) is not GPT-2's" in r.stderr, r.stderr
+    with pytest.raises(SystemExit, match=r"pass --tokenizer="):
+        evaluate.main([f"--out_dir={conv}", "--device=cpu", "--tasks=lambada", "--data_root=/nonexistent"])
+    r = subprocess.run(sample + [f"--tokenizer={tok}", "--start=a"], capture_output=True, text=True)
+    assert r.returncode == 0 and f"tokenizer: {tok}" in r.stderr, r.stderr
+    with pytest.raises(ValueError, match=r"has 100277 tokens, more than the model's vocabulary \(259\)"):
+        evaluate.load_model(conv, "cpu", tokenizer="cl100k_base")
 
 
 # =====================================================================================================================
@@ -1475,7 +1717,9 @@ def test_eval_cli_json_and_errors(eval_ckpt, eval_root, tmp_path, capsys):
     evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--limit=2", f"--output={out}",
                    "--batch_size=4", "--block_size=16"])
     res = json.load(open(out))
-    assert set(res) == {"wikitext2", "lambada", "hellaswag"}
+    assert set(res) == {"wikitext2", "lambada", "hellaswag", "tokenizer"} and res["tokenizer"] == "gpt2"
+    evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--limit=1", "--tasks=lambada"])
+    assert os.path.isfile(os.path.join(eval_ckpt["mhar"], "eval.limit1.json"))   # a --limit run: its own file
     assert set(res["wikitext2"]) == {"token_ppl", "word_ppl", "tokens", "words"} and res["wikitext2"]["tokens"] == 31
     assert set(res["lambada"]) == {"acc", "nll", "n"} and res["lambada"]["n"] == 2
     assert set(res["hellaswag"]) == {"acc", "acc_norm", "n"} and res["hellaswag"]["n"] == 2
@@ -1532,7 +1776,7 @@ def test_harness_offline_tasks_and_lambada_agree_with_ours(eval_ckpt, eval_root,
     res = evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--harness", "--limit=3",
                          f"--output={out}", "--batch_size=4", "--block_size=16"])
     assert json.load(open(out)) == res
-    assert set(res) == {"wikitext_local", "lambada_openai_local", "hellaswag_local"}
+    assert set(res) == {"wikitext_local", "lambada_openai_local", "hellaswag_local", "tokenizer"}
     assert {"word_perplexity", "byte_perplexity", "bits_per_byte"} <= set(res["wikitext_local"])
     assert {"acc", "acc_norm"} <= set(res["hellaswag_local"]) and res["hellaswag_local"]["n"] == 3
     ours = evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--tasks=lambada", "--limit=3",

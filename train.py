@@ -16,13 +16,19 @@ resolve_start (scratch / resume / converted checkpoint) -> build_model, restore 
 microsteps, sync_grads, clip, AdamW, EMA, StepLog) with evaluate and save_checkpoint at every eval_interval.
 """
 import ast
+import atexit
 import difflib
+import errno
 import inspect
 import json
 import math
 import os
 import platform
 import random
+import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,10 +41,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import GPT, GPTConfig, upgrade_state
+from model import GPT, GPTConfig, previous_checkpoint, read_checkpoint, upgrade_state
 from prepare_data import TokenData
 
 
@@ -127,12 +134,18 @@ def parse_args(argv):
         print(__doc__ + "\n" + config_help())
         sys.exit(0)
     cfg, known = Config(), {f.name for f in fields(Config)}
+    cfg.explicit = set()   # the keys a config file or the command line set (not a field: asdict leaves it out)
     for arg in argv:
         if not arg.startswith("--"):   # a config file: plain Python assignments
             if not os.path.isfile(arg):
                 raise ValueError(f"config file {arg!r} not found")
             scope = {}
-            exec(open(arg).read(), {}, scope)
+            try:
+                exec(compile(open(arg).read(), arg, "exec"), {}, scope)
+            except SyntaxError as e:
+                raise ValueError(f"config file {arg}, line {e.lineno}: {e.msg}: {(e.text or '').strip()!r}") from None
+            except Exception as e:
+                raise ValueError(f"config file {arg}: {type(e).__name__}: {e}") from None
             items = [(k, v) for k, v in scope.items() if not k.startswith("_") and not inspect.ismodule(v)]
             source = f"in {arg}"
         else:
@@ -150,13 +163,24 @@ def parse_args(argv):
                 raise ValueError(f"unknown option {key!r} {source}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
                                  + "; python train.py -h lists every option")
             setattr(cfg, key, check_type(key, val))
+            cfg.explicit.add(key)
     for key, allowed in (("dtype", ("auto", "bfloat16", "float32")), ("lr_schedule", ("cosine", "linear", "1-sqrt")),
                          ("param_dtype", ("float32", "bfloat16"))):
         if getattr(cfg, key) not in allowed:
             raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
-    for key in ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens"):
+    for key in ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr"):
         if getattr(cfg, key) <= 0:
             raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
+    for key in ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"{key}={getattr(cfg, key)} must be >= 0")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1] (the decay ends at lr * min_lr_ratio)")
+    for key in ("beta1", "beta2", "ema_decay"):
+        if not 0 <= getattr(cfg, key) < 1:
+            raise ValueError(f"{key}={getattr(cfg, key)} must be in [0, 1)")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        raise ValueError(f"device={cfg.device!r} is not one of auto, cpu, cuda, cuda:N")
     GPTConfig(vocab_size=128, **{k: getattr(cfg, k) for k in MODEL_KEYS})   # model errors now, not after data
     return cfg
 
@@ -266,15 +290,27 @@ def load_data(cfg, world):
     meta_path = os.path.join(cfg.data_dir, "meta.json")
     if not os.path.isfile(meta_path):
         fail(f"{meta_path} not found; run prepare_data.py --out_dir={cfg.data_dir} first")
-    meta = json.load(open(meta_path))
-    train_data = TokenData(os.path.join(cfg.data_dir, "train.bin"), meta["dtype"], cfg.block_size, cfg.seed)
-    val_data = TokenData(os.path.join(cfg.data_dir, "val.bin"), meta["dtype"], cfg.block_size, cfg.seed)
+    try:
+        meta = json.load(open(meta_path))
+        missing = [k for k in ("tokenizer", "vocab_size", "dtype", "train_tokens") if k not in meta]
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        fail(f"{meta_path} is not prepare_data.py's JSON ({e}); prepare the data again (prepare_data.py --force)")
+    if missing:
+        fail(f"{meta_path} lacks {', '.join(missing)}: not written by prepare_data.py; prepare the data again")
+    try:
+        train_data = TokenData(os.path.join(cfg.data_dir, "train.bin"), meta["dtype"], cfg.block_size, cfg.seed)
+        val_data = TokenData(os.path.join(cfg.data_dir, "val.bin"), meta["dtype"], cfg.block_size, cfg.seed)
+    except (ValueError, TypeError) as e:
+        fail(e)
     seqs_per_step, per_micro = cfg.batch_tokens // cfg.block_size, cfg.micro_batch * world
     if cfg.batch_tokens % (cfg.block_size * per_micro):
         fail(f"batch_tokens={cfg.batch_tokens} must be a multiple of block_size * micro_batch * processes = "
              f"{cfg.block_size} * {cfg.micro_batch} * {world} = {cfg.block_size * per_micro}; e.g. --batch_tokens="
              f"{max(1, round(cfg.batch_tokens / (cfg.block_size * per_micro))) * cfg.block_size * per_micro}")
     n_eval = min(val_data.n_seq, cfg.eval_tokens // cfg.block_size) // per_micro * per_micro
+    if n_eval == 0 and cfg.eval_tokens < cfg.block_size * per_micro:
+        fail(f"eval_tokens={cfg.eval_tokens} is less than one eval batch of micro_batch * processes * block_size = "
+             f"{per_micro} * {cfg.block_size} = {per_micro * cfg.block_size} tokens; raise --eval_tokens")
     if n_eval == 0:
         fail(f"val.bin has {val_data.n_seq} sequences of {cfg.block_size} tokens, fewer than one eval batch "
              f"({per_micro}); lower micro_batch or block_size, or prepare more validation data")
@@ -294,9 +330,7 @@ def resolve_start(cfg, meta, master):
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     tok_id = lambda m: m.get("tokenizer_id", m["tokenizer"])   # older meta.json files have no tokenizer_id
     if cfg.init_from == "resume":
-        if not os.path.isfile(ckpt_path):
-            fail(f"--init_from=resume but {ckpt_path} does not exist")
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt = load_latest(ckpt_path, master)
         ckpt.update({k: upgrade_state(ckpt[k]) for k in ("model", "optimizer", "ema") if ckpt.get(k) is not None})
         old = {**ckpt["model_config"], **ckpt["train_config"]}   # older checkpoints name fewer model keys in the latter
         skip = RESUMABLE | (set(MODEL_KEYS) if ckpt.get("model_source", "config") != "config" else set())
@@ -312,10 +346,12 @@ def resolve_start(cfg, meta, master):
         if diff:
             fail("cannot resume, the config differs from the checkpoint's:\n  " + "\n  ".join(diff)
                  + "\nuse the checkpoint's values, or a new out_dir with --init_from=scratch")
+        refuse_ignored_architecture(cfg, ckpt["model_config"], ckpt_path)
         return ckpt, None, ckpt["model_config"], ckpt.get("model_source", "config")
-    if os.path.exists(ckpt_path):
-        fail(f"{ckpt_path} already exists; continue it with --init_from=resume or choose another --out_dir "
-             "(nothing is overwritten)")
+    for path in (ckpt_path, previous_checkpoint(ckpt_path)):
+        if os.path.exists(path):
+            fail(f"{path} already exists; continue it with --init_from=resume or choose another --out_dir "
+                 "(nothing is overwritten)")
     if master and os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):   # a run that died before its first checkpoint
         kept = os.path.join(cfg.out_dir, f"log.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
         os.replace(os.path.join(cfg.out_dir, "log.jsonl"), kept)
@@ -326,7 +362,11 @@ def resolve_start(cfg, meta, master):
     path = os.path.join(cfg.init_from, "ckpt.pt") if os.path.isdir(cfg.init_from) else cfg.init_from
     if not os.path.isfile(path):   # a convert.py checkpoint: its architecture, its weights
         fail(f"init_from={cfg.init_from!r} is not scratch, resume, or the out_dir of convert.py")
-    init = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    try:
+        init = read_checkpoint(path)
+    except ValueError as e:
+        fail(e)
+    refuse_ignored_architecture(cfg, init["model_config"], path)
     init["model"] = upgrade_state(init["model"])
     if init.get("tokenizer_id") is not None and tok_id(meta) != init["tokenizer_id"]:
         fail(f"{cfg.data_dir} was tokenized with {meta['tokenizer']!r} but the model in {path} uses "
@@ -334,6 +374,42 @@ def resolve_start(cfg, meta, master):
     if meta["vocab_size"] > init["model_config"]["vocab_size"]:
         fail(f"the data's vocabulary ({meta['vocab_size']}) exceeds the model's ({init['model_config']['vocab_size']})")
     return None, init, init["model_config"], os.path.abspath(path)
+
+
+def refuse_ignored_architecture(cfg, model_config, path):
+    """A checkpoint's architecture is the model's: explicit options that differ from it would be ignored, so refuse
+    (block_size, the training sequence length, and routing_impl apply)."""
+    keys = sorted(k for k in getattr(cfg, "explicit", ()) if k in MODEL_KEYS and k not in ("routing_impl", "block_size")
+                  and k in model_config and model_config[k] != getattr(cfg, k))
+    if keys:
+        fail(f"the architecture comes from {path}; these options differ from it and would be ignored: "
+             + ", ".join(f"--{k}={getattr(cfg, k)!r} (checkpoint: {model_config[k]!r})" for k in keys)
+             + ". Drop them (--block_size and --routing_impl may differ)")
+
+
+def load_latest(ckpt_path, master):
+    """The checkpoint to resume: ckpt_path, or, when it is missing or unreadable, the one before it (one line says
+    so; the unreadable file is moved aside, never deleted). Fails naming both files when neither can be read."""
+    prev, errors = previous_checkpoint(ckpt_path), []
+    for path in (ckpt_path, prev):
+        if not os.path.isfile(path):
+            errors.append(f"{path} does not exist")
+            continue
+        try:
+            ckpt = read_checkpoint(path)
+        except ValueError as e:
+            errors.append(str(e).split(";")[0])
+            continue
+        if path == prev and master:
+            aside = None
+            if os.path.isfile(ckpt_path):
+                aside = f"{ckpt_path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+                os.replace(ckpt_path, aside)
+            print(f"train.py: {errors[0]}; resuming from the checkpoint before it, {prev} (step {ckpt['step']})"
+                  + (f"; the unreadable file is now {aside}" if aside else ""))
+        return ckpt
+    fail("--init_from=resume but no checkpoint can be read: " + "; ".join(errors)
+         + ". Start again with --init_from=scratch in a new --out_dir")
 
 
 # ---- model, optimizer and their state --------------------------------------------------------------------------------
@@ -352,9 +428,11 @@ def build_model(mcfg, cfg, device, param_dtype, state, master):
     with torch.device("meta"):
         model = GPT(mcfg)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # the mesh on the run's device type: FSDP2's default mesh takes CUDA whenever the machine has it, CPU runs too
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     for sub in model.sublayers():   # the unit of sharding is what forward calls: each attention and MLP
-        fully_shard(sub, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(sub, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     # bf16 RoPE tables: FSDP2 casts each sublayer's inputs to bf16 in forward, but (torch 2.11, compiled sublayers)
     # not when activation checkpointing recomputes it, which then fails on the fp32 tables' changed dtype
@@ -426,9 +504,15 @@ def restore(ckpt, model, optimizer, ema, cfg, rt):
     return ckpt["step"]
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (its partial file is removed; the previous checkpoints are untouched)."""
+
+
 def save_checkpoint(path, model, optimizer, ema, step, extra, cfg, rt):
-    """Weights, optimizer, EMA, step, every rank's RNG states and `extra` (configs, data position) to `path`, through
-    a temp file and a rename: a crash mid-save leaves the previous checkpoint. Every rank takes part (FSDP gathers)."""
+    """Weights, optimizer, EMA, step, every rank's RNG states and `extra` (configs, data position) to `path`. Written
+    to a temp file, flushed to disk and read back (memory-mapped: the archive's index and records, not every byte)
+    before the rotation: the checkpoint it replaces becomes ckpt.prev.pt, so a crash at any point leaves one whole
+    checkpoint. Every rank takes part (FSDP gathers); a failed write raises CheckpointWriteError."""
     t0 = time.time()
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state(rt.device) if rt.device_type == "cuda" else None}
@@ -444,10 +528,169 @@ def save_checkpoint(path, model, optimizer, ema, step, extra, cfg, rt):
         model_state, optim_state = model.state_dict(), optimizer.state_dict()
     ema_state = None if ema is None else ema.state_dict(rt.master)
     if rt.master:
-        torch.save({"model": model_state, "optimizer": optim_state, "ema": ema_state, "step": step, "rng": rngs, **extra},
-                   path + ".tmp")
-        os.replace(path + ".tmp", path)
+        tmp = path + ".tmp"
+        try:
+            torch.save({"model": model_state, "optimizer": optim_state, "ema": ema_state, "step": step, "rng": rngs,
+                        **extra}, tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            read_checkpoint(tmp)
+        except Exception as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise CheckpointWriteError(write_failure(path, tmp, step, e)) from e
+        if os.path.exists(path):
+            os.replace(path, previous_checkpoint(path))
+        os.replace(tmp, path)
         rt.say(f"saved {path} (step {step}, {os.path.getsize(path) / 1e9:.2f} GB) in {time.time() - t0:.1f} s")
+
+
+def write_failure(path, tmp, step, error):
+    """The one line for a checkpoint that could not be written: disk full or not, and which checkpoints are intact."""
+    folder = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(folder).free
+    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error) \
+        or "unexpected pos" in str(error) or free < 2**20
+    why = (f"no space left on the device of {folder} ({free / 1e9:.2f} GB free)" if full
+           else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    kept = []
+    for p in (path, previous_checkpoint(path)):
+        try:
+            kept.append(f"{p} (step {read_checkpoint(p)['step']})")
+        except (ValueError, FileNotFoundError):   # absent, or itself unreadable: not intact
+            pass
+    return (f"saving the step-{step} checkpoint failed: {why}, writing {tmp}; the partial file is removed. "
+            + (f"Intact: {', '.join(kept)}. " if kept else "No earlier checkpoint exists. ")
+            + ("Free some space, then continue with --init_from=resume" if full else "Fix the cause, then continue "
+               "with --init_from=resume"))
+
+
+# ---- log.jsonl, the out_dir lock, stop signals ------------------------------------------------------------------------
+
+def read_log(path, repair=False, say=print):
+    """The records of a log.jsonl. A last line cut short (a crash or a full disk mid-write) is left out, and with
+    repair also cut from the file (one line says so); any other line that is not JSON is an error naming the line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines, records = data.split(b"\n"), []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except (ValueError, UnicodeDecodeError) as e:
+            if i < len(lines) - 1:   # a complete line (a newline follows) that is not JSON: not ours to guess
+                raise ValueError(f"{path}, line {i + 1}: not JSON ({e}); fix or remove that line") from None
+            if repair:
+                with open(path, "r+b") as f:
+                    f.truncate(len(data) - len(line))
+                say(f"{path}: removed a partial last line ({len(line)} bytes, written when the run stopped)")
+            return records
+    if repair and lines[-1].strip():   # a whole last record without its newline: the next one gets its own line
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    return records
+
+
+def trim_log(path, step, say):
+    """Resuming at `step`: log.jsonl keeps the records up to it; those of later steps (the stopped run went past its
+    last checkpoint, and the resumed run writes them again) move to a side file, named in one line."""
+    records = read_log(path, repair=True, say=say)
+    later = [r for r in records if r.get("step", 0) > step]
+    if later:
+        side = f"{os.path.splitext(path)[0]}.after-step{step}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        with open(side, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in later)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step)
+        os.replace(path + ".tmp", path)
+        say(f"{path}: {len(later)} records after step {step} (the stopped run's, redone now) moved to {side}")
+
+
+def lock_out_dir(out_dir):
+    """One run per out_dir: out_dir/train.lock names this process (pid, host) until it exits. A lock whose process is
+    gone (same host) is taken over with one line; a live one, or one from another host, is refused. A run that
+    ends having written nothing leaves no empty out_dir behind."""
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    path, me = os.path.join(out_dir, "train.lock"), {"pid": os.getpid(), "host": socket.gethostname(),
+                                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                other = json.load(open(path))
+                pid, host, since = int(other["pid"]), other["host"], other.get("since", "?")
+            except (OSError, ValueError, KeyError, TypeError):
+                other = None   # unreadable: a lock being written this instant, or a broken one
+            if other is None:
+                time.sleep(0.2)
+                if os.path.exists(path) and time.time() - os.path.getmtime(path) > 5:
+                    os.remove(path)
+                continue
+            if host != me["host"]:
+                fail(f"{out_dir} is locked by a run on host {host} (pid {pid}, since {since}). If that run has ended, "
+                     f"delete {path}; else choose another --out_dir")
+            if pid_alive(pid):
+                fail(f"{out_dir} is in use by a running train.py (pid {pid}, since {since}); wait for it, stop it, "
+                     "or choose another --out_dir")
+            print(f"train.py: taking over {path} from pid {pid} (since {since}), which is no longer running")
+            os.remove(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        atexit.register(unlock_out_dir, path, me["pid"], created)
+        return path
+    fail(f"could not take {path}; delete it if no run uses {out_dir}")
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's live process
+        return True
+    return True
+
+
+def unlock_out_dir(path, pid, created):
+    try:
+        if json.load(open(path))["pid"] == pid:
+            os.remove(path)
+        if created and not os.listdir(os.path.dirname(path)):
+            os.rmdir(os.path.dirname(path))
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+class StopSignals:
+    """SIGTERM (a cluster's preemption) or SIGINT (Ctrl-C) asks the loop to stop after the current step: it saves a
+    checkpoint and exits 143 / 130. A second signal exits at once. Under torchrun the processes agree on the step at
+    log-interval steps (an all-reduce of the request, where the log syncs anyway)."""
+
+    def __init__(self):
+        self.signum = None
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            sys.exit(128 + signum)
+        self.signum = signum
+        print(f"train.py: {signal.Signals(signum).name}: stopping after this step with a checkpoint (send it again to "
+              "stop at once)", file=sys.stderr, flush=True)
+
+    def requested(self, step, cfg, rt):
+        if not rt.ddp:
+            return self.signum is not None
+        if step % cfg.log_interval:
+            return False
+        flag = torch.tensor(self.signum or 0, device=rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.signum = self.signum or int(flag.item()) or None
+        return self.signum is not None
 
 
 # ---- the step's pieces -----------------------------------------------------------------------------------------------
@@ -566,22 +809,45 @@ class GraphedMicrostep:
 
 
 class StepLog:
-    """Step lines on stdout and records in out_dir/log.jsonl (rank 0). Step losses stay on the device until a flush,
-    which checks them for non-finite values (stopping the run before anything is saved) and then times the window:
-    after the losses reach the host, so that it holds the GPU's work (a CUDA-graph step is queued far faster than it
-    runs)."""
+    """Step lines on stdout and records in out_dir/log.jsonl (rank 0). Step losses and gradient norms stay on the
+    device until a flush, which checks them for non-finite values (stopping the run before anything is saved) and
+    then times the window: after the losses reach the host, so that it holds the GPU's work (a CUDA-graph step is
+    queued far faster than it runs). It also knows the last checkpoint, for messages that say which one is intact."""
 
-    def __init__(self, cfg, rt, model, device_name, step):
+    def __init__(self, cfg, rt, model, device_name, step, saved_step):
         self.cfg, self.rt, self.model, self.device_name = cfg, rt, model, device_name
         self.path = os.path.join(cfg.out_dir, "log.jsonl")
-        self.start_step, self.pending, self.speeds = step, [], []   # pending: (step, loss tensor)
+        self.start_step, self.pending, self.speeds = step, [], []   # pending: (step, loss, gradient norm) tensors
+        self.saved_step = saved_step   # the step of out_dir/ckpt.pt (None: this run has none)
         self.t0, self.n_window = time.time(), 0
-        self.evals = {}   # step -> val loss, with those already in the log of a resumed run (the last record counts)
+        self.evals = {}   # step -> val loss, with those already in the log of a resumed run
         if cfg.init_from == "resume" and os.path.isfile(self.path):
-            for line in open(self.path):
-                rec = json.loads(line)
+            if rt.master:
+                trim_log(self.path, step, rt.say)
+            for rec in read_log(self.path):
                 if "val_loss" in rec and rec["step"] <= step:
                     self.evals[rec["step"]] = rec["val_loss"]
+
+    def stop(self, problem, advice="Try a lower --lr, a longer --warmup_steps, or --dtype=float32."):
+        """A non-finite state: say so, saying which checkpoint is intact, and exit 2 (nothing is saved)."""
+        ckpt = os.path.join(self.cfg.out_dir, "ckpt.pt")
+        kept = (f"The last checkpoint, {ckpt} (step {self.saved_step}), is intact" if self.saved_step is not None
+                else "This run has saved no checkpoint")
+        self.rt.say(f"train.py: {problem}; stopping before any further save. {kept}. {advice}", flush=True)
+        if self.rt.ddp:
+            dist.destroy_process_group()
+        sys.exit(2)
+
+    def check_weights(self, step, named_params):
+        """Before a save: every parameter finite (one host sync), or stop."""
+        flags = torch.stack([(p.to_local() if isinstance(p, DTensor) else p).isfinite().all() for _, p in named_params])
+        if self.rt.ddp:   # FSDP shards: every rank's verdict
+            flags = flags.to(torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        bad = [n for (n, _), ok in zip(named_params, flags.tolist()) if not ok]
+        if bad:
+            self.stop(f"non-finite weights after step {step} ({len(bad)} of {len(named_params)} tensors, e.g. {bad[0]}; "
+                      "the losses so far were finite, the last update was not)")
 
     def write(self, record):
         if self.rt.master:
@@ -591,8 +857,8 @@ class StepLog:
     def mfu(self, tok_s):
         return self.model.estimate_mfu(tok_s / self.rt.world, self.device_name, self.cfg.block_size)
 
-    def step(self, step, loss):
-        self.pending.append((step, loss))
+    def step(self, step, loss, grad_norm):
+        self.pending.append((step, loss, grad_norm))
         self.n_window += 1
         if step % self.cfg.log_interval == 0 or step == self.cfg.max_steps:
             self.flush()
@@ -600,16 +866,14 @@ class StepLog:
     def flush(self):
         """Log the pending steps, and start a new timing window."""
         if self.pending:
-            losses = torch.stack([l for _, l in self.pending]).tolist()
+            values = torch.stack([torch.stack([l.float(), g.float()]) for _, l, g in self.pending]).tolist()
+            losses = [v[0] for v in values]
             dt = (time.time() - self.t0) / self.n_window
-            for (s, _), loss in zip(self.pending, losses):
+            for (s, _, _), (loss, norm) in zip(self.pending, values):
                 if not math.isfinite(loss):
-                    self.rt.say(f"train.py: non-finite loss {loss} at step {s}; stopping before any save. The last "
-                                f"checkpoint ({os.path.join(self.cfg.out_dir, 'ckpt.pt')}) is intact. Try a lower --lr, "
-                                "a longer --warmup_steps, or --dtype=float32.")
-                    if self.rt.ddp:
-                        dist.destroy_process_group()
-                    sys.exit(2)
+                    self.stop(f"non-finite loss {loss} at step {s}")
+                if not math.isfinite(norm):
+                    self.stop(f"non-finite gradient norm {norm} at step {s} (its update made the weights non-finite)")
             s, loss, tok_s = self.pending[-1][0], losses[-1], self.cfg.batch_tokens / dt
             if s > self.start_step + self.n_window:   # the first window holds compilation and warm-up
                 self.speeds.append(tok_s)
@@ -625,6 +889,10 @@ class StepLog:
         return f" | peak mem {torch.cuda.max_memory_allocated(self.rt.device) / 1e9:.1f} GB" if self.rt.device_type == "cuda" else ""
 
     def eval(self, step, val, val_ema=None):
+        for name, v in (("validation loss", val), ("EMA validation loss", val_ema)):
+            if v is not None and not math.isfinite(v):
+                self.stop(f"non-finite {name} {v} at step {step} with finite weights",
+                          "An overflow in the eval's compute dtype? Try --dtype=float32, or a lower --lr")
         self.evals[step] = val
         tail = [self.evals[k] for k in sorted(self.evals)][-11:]   # the paper's metric: the tail-mean of 11 evals
         self.rt.say(f"eval step {step} | val_loss {val:.4f} | tail-mean({len(tail)}) {sum(tail) / len(tail):.4f}"
@@ -682,6 +950,8 @@ def main(argv):
         fail(e)
     rt = setup_runtime(cfg)
     data = load_data(cfg, rt.world)
+    if rt.master:
+        lock_out_dir(cfg.out_dir)   # before anything in out_dir is read or moved
     ckpt, init, model_cfg, model_source = resolve_start(cfg, data.meta, rt.master)
     try:
         mcfg = GPTConfig.from_dict({**model_cfg, "routing_impl": cfg.routing_impl})
@@ -695,7 +965,12 @@ def main(argv):
                                            routing_group=mcfg.residual == "delta", routing_lr_scale=cfg.routing_lr_scale)
     ema = EMA([(n, p) for n, p in model.named_parameters() if p.requires_grad], cfg.ema_decay) if cfg.ema_decay > 0 else None
     step = restore(ckpt, model, optimizer, ema, cfg, rt) if ckpt is not None else 0
+    saved_step = step if ckpt is not None else None
     del ckpt, init, state
+    if step >= cfg.max_steps:   # a finished run resumed: say so rather than exit silently
+        rt.say(f"train.py: the checkpoint in {cfg.out_dir} is at step {step}, max_steps={cfg.max_steps}: nothing to "
+               f"train. Pass a larger --max_steps to continue (with --lr_decay_steps={horizon(cfg)} to keep the schedule)")
+        return
     raw_model = model   # unwrapped and uncompiled in place: checkpoints have clean parameter names
     model.checkpoint_sublayers, model.z_loss = cfg.activation_checkpointing, cfg.z_loss
     if cfg.compile:
@@ -712,17 +987,32 @@ def main(argv):
     extra = {"model_config": asdict(mcfg), "model_source": model_source, "train_config": asdict(cfg), "meta": data.meta,
              "tokenizer": data.meta["tokenizer"], "tokenizer_id": data.meta.get("tokenizer_id", data.meta["tokenizer"]),
              "git": git_revision()}
-    log = StepLog(cfg, rt, raw_model, device_name if rt.device_type == "cuda" else None, step)
+    log = StepLog(cfg, rt, raw_model, device_name if rt.device_type == "cuda" else None, step, saved_step)
     graphed = GraphedMicrostep(model, rt.autocast, loss_scale=1 / data.accum) if rt.graphs else None
     wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    named = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
+    stop = StopSignals()
 
     while True:
         last = step >= cfg.max_steps
-        if (step % cfg.eval_interval == 0 or last) and step not in log.evals:
-            log.flush()
+        stopping = not last and stop.requested(step, cfg, rt)
+        if ((step % cfg.eval_interval == 0 or last) and step not in log.evals) or stopping:
+            log.flush()   # checks the pending losses and gradient norms
             if step > log.start_step and cfg.save:   # before the eval: an eval crash loses nothing
+                log.check_weights(step, named)
                 extra["data"] = {"seqs_consumed": step * data.seqs_per_step, "seed": cfg.seed}
-                save_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), raw_model, optimizer, ema, step, extra, cfg, rt)
+                try:
+                    save_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), raw_model, optimizer, ema, step, extra, cfg, rt)
+                except CheckpointWriteError as e:
+                    fail(e)
+                log.saved_step = step
+            if stopping:
+                rt.say(f"train.py: stopped by {signal.Signals(stop.signum).name} at step {step}; " + (
+                    f"continue with --init_from=resume (checkpoint at step {log.saved_step})" if log.saved_step is not None
+                    else "no checkpoint" + (" (--save=False)" if not cfg.save else "")), flush=True)
+                if rt.ddp:
+                    dist.destroy_process_group()
+                sys.exit(128 + stop.signum)
             val = evaluate(raw_model, data, cfg, rt)
             val_ema = None
             if ema is not None:   # the EMA weights, swapped in for an eval of their own
@@ -758,15 +1048,19 @@ def main(argv):
             sync_grads(params, rt.world)
         if rt.ddp:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)   # the logged loss is the global-batch mean
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.grad_clip > 0:   # the norm is kept either way: StepLog stops the run on a non-finite one
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if isinstance(grad_norm, DTensor):   # FSDP: the norm over every shard
+            grad_norm = grad_norm.full_tensor()
         optimizer.step()
         if graphed is None:   # the graphs' first microbatch overwrites their fixed .grad tensors instead
             optimizer.zero_grad(set_to_none=True)
         if ema is not None:
             ema.update()
         step += 1
-        log.step(step, loss_sum / data.accum)
+        log.step(step, loss_sum / data.accum, grad_norm)
     if dist.is_initialized():
         dist.destroy_process_group()
 
