@@ -762,11 +762,15 @@ def read_checkpoint(path):
     except Exception as e:
         import zipfile
         size = os.path.getsize(path) if os.path.isfile(path) else None
-        what = ("is empty" if size == 0 else "is not a torch.save archive (truncated, or not a checkpoint)"
-                if size and not zipfile.is_zipfile(path) else f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})")
+        if size == 0:
+            what = "is empty"
+        elif size and not zipfile.is_zipfile(path):
+            what = "is not a torch.save archive (truncated, or not a checkpoint)"
+        else:
+            what = f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         prev = previous_checkpoint(path)
-        hint = (f"; the checkpoint before it is {prev}: pass that file, or move {path} aside" if os.path.isfile(prev)
-                else "; rerun the training that wrote it (train.py --init_from=resume falls back to ckpt.prev.pt)")
+        hint = (f"; the checkpoint before it, {prev}, may be intact: pass that file, or move {path} aside"
+                if os.path.isfile(prev) else "; rerun the training that wrote it")
         raise ValueError(f"checkpoint {path} {what}{hint}") from e
 
 

@@ -154,8 +154,13 @@ def _jsonl_texts(path, text_field):
     opener = {".gz": gzip.open, ".xz": lzma.open}.get(os.path.splitext(path)[1], open)
     lineno = 0
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with opener(path, "rb") as f:   # bytes, decoded line by line: a bad byte is reported at its own line
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
+                                     "convert the file to UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -171,8 +176,6 @@ def _jsonl_texts(path, text_field):
                                      f"{str(text)[:40]!r}, not a string")
                 if text:
                     yield text
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text after line {lineno} ({e.reason}); convert it to UTF-8") from None
     except (EOFError, lzma.LZMAError, gzip.BadGzipFile) as e:
         raise ValueError(f"{path}: the compressed file is damaged or truncated after line {lineno} ({e})") from None
 

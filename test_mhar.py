@@ -1049,7 +1049,7 @@ def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
     ('{"text": "ok"}\n{"text": 123}\n', r"bad.jsonl:2: field 'text' holds int"),
     ('{"text": "ok"}\n\n{"text": "a" oops}\n', r"bad.jsonl:3: not a JSON object"),
     ('{"body": "no text field"}\n', r"bad.jsonl:1: no field 'text'"),
-    (b'{"text": "caf\xe9"}\n', r"bad.jsonl: not UTF-8 text"),
+    (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"bad.jsonl:2: not UTF-8 text"),
 ])
 def test_bad_input_documents_name_file_and_line(tmp_path, line, msg):
     src = tmp_path / "bad.jsonl"
@@ -1236,7 +1236,7 @@ def test_unreadable_checkpoint_falls_back_to_the_previous(tmp_path, data_dir):
     assert torch.load(ckpt, weights_only=False)["step"] == 6 and torch.load(prev, weights_only=False)["step"] == 3
     with open(ckpt, "r+b") as f:
         f.truncate(os.path.getsize(ckpt) // 2)
-    with pytest.raises(ValueError, match=r"ckpt.pt is not a torch.save archive .*the checkpoint before it is .*ckpt.prev.pt"):
+    with pytest.raises(ValueError, match=r"ckpt.pt is not a torch.save archive .*the checkpoint before it, .*ckpt.prev.pt, may be intact"):
         GPT.from_checkpoint(out)
     s = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu"],
                        capture_output=True, text=True)
