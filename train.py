@@ -967,10 +967,6 @@ def main(argv):
     step = restore(ckpt, model, optimizer, ema, cfg, rt) if ckpt is not None else 0
     saved_step = step if ckpt is not None else None
     del ckpt, init, state
-    if step >= cfg.max_steps:   # a finished run resumed: say so rather than exit silently
-        rt.say(f"train.py: the checkpoint in {cfg.out_dir} is at step {step}, max_steps={cfg.max_steps}: nothing to "
-               f"train. Pass a larger --max_steps to continue (with --lr_decay_steps={horizon(cfg)} to keep the schedule)")
-        return
     raw_model = model   # unwrapped and uncompiled in place: checkpoints have clean parameter names
     model.checkpoint_sublayers, model.z_loss = cfg.activation_checkpointing, cfg.z_loss
     if cfg.compile:
@@ -992,6 +988,12 @@ def main(argv):
     wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     named = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
     stop = StopSignals()
+    if step >= cfg.max_steps and step in log.evals:   # a finished run resumed: say so rather than exit silently
+        rt.say(f"train.py: the checkpoint in {cfg.out_dir} is at step {step}, max_steps={cfg.max_steps}: nothing to "
+               f"train. Pass a larger --max_steps to continue (with --lr_decay_steps={horizon(cfg)} to keep the schedule)")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
 
     while True:
         last = step >= cfg.max_steps
