@@ -7,9 +7,9 @@ s_0..s_{j-1} with logit[n, h] = < q[h], g[h] * RMSNorm(s_n)[h] >, alpha[:, h] = 
 out[h] = sum_n alpha[n, h] * s_n[h], over H heads (contiguous channel slices of width d/H).
 H = 1 is attention residuals (Kimi, arXiv 2603.15031; paper Eq. 2, Appendix B); H > 1 reshapes the same query.
 
-Where things live: GPTConfig -> RMSNorm / RoPE / Attention / MLP -> route_reference, Route and the depth history
-(the new idea) -> HyperConnection (the comparison) -> Block -> GPT (forward for every mode, optimizer, generation,
-MFU, checkpoint loading).
+Where things live: GPTConfig -> RMSNorm / RoPE / Attention / MLP -> KVCache, then DecodeGraph (generation's fenced
+optimisation) -> route_reference, Route and the depth history (the new idea) -> HyperConnection (the comparison) ->
+Block -> GPT (forward for every mode, optimizer, generation, MFU, checkpoint loading).
 """
 import functools
 import math
