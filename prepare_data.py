@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from multiprocessing import Pool
 
 import numpy as np
@@ -319,60 +320,62 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
     dtype = token_dtype(enc.n_vocab)
     inputs = resolve_inputs(input) if input else None
     val_inputs = resolve_inputs(val_input) if val_input else None
-    created = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    train, val = TokenWriter(files["train.bin"], dtype), TokenWriter(files["val.bin"], dtype)
-    try:
-        return _prepare(enc, inputs, val_inputs, train, val, files, out_dir, tokenizer, max_tokens, max_val_tokens,
-                        val_fraction, text_field, workers, dtype)
-    except BaseException:   # leave no partial files, and no folder this call made
-        train.abort()
-        val.abort()
-        if created and not os.listdir(out_dir):
-            os.rmdir(out_dir)
-        raise
-
-
-def _prepare(enc, inputs, val_inputs, train, val, files, out_dir, tokenizer, max_tokens, max_val_tokens, val_fraction,
-             text_field, workers, dtype):
     from tqdm import tqdm
     docs = read_documents(inputs, text_field) if inputs else hub_documents(text_field)
     every = None if val_inputs else max(1, round(1 / val_fraction))
     t0 = time.time()
-    bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({workers} workers)")
-    for i, toks in enumerate(encode_stream(docs, tokenizer, workers)):
-        if every is not None and i % every == 0:
-            if max_val_tokens is None or val.tokens < max_val_tokens:
-                val.write(toks, max_val_tokens)
-            continue
-        bar.update(train.write(toks, max_tokens))
-        if max_tokens is not None and train.tokens >= max_tokens:
-            break
-    bar.close()
-    if val_inputs:
-        for toks in encode_stream(read_documents(val_inputs, text_field), tokenizer, workers):
-            val.write(toks, max_val_tokens)
-            if max_val_tokens is not None and val.tokens >= max_val_tokens:
+    with token_writers(out_dir, dtype) as (train, val):
+        bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({workers} workers)")
+        for i, toks in enumerate(encode_stream(docs, tokenizer, workers)):
+            if every is not None and i % every == 0:
+                if max_val_tokens is None or val.tokens < max_val_tokens:
+                    val.write(toks, max_val_tokens)
+                continue
+            bar.update(train.write(toks, max_tokens))
+            if max_tokens is not None and train.tokens >= max_tokens:
                 break
-    if train.tokens == 0 or val.tokens == 0:
-        raise RuntimeError(f"got {train.tokens} train and {val.tokens} val tokens: need some of each "
-                           "(more input documents, or a larger --val_fraction)")
-    if tokenizer.endswith(".json"):   # record where it came from and what it was, for checks against a model
-        tokenizer = os.path.abspath(tokenizer)
-    meta = {"tokenizer": tokenizer, "tokenizer_id": tokenizer_id(tokenizer), "vocab_size": enc.n_vocab, "eot_token": enc.eot_token,
-            "dtype": np.dtype(dtype).name, "train_tokens": train.tokens, "val_tokens": val.tokens,
-            "train_docs": train.docs, "val_docs": val.docs,
-            "inputs": inputs or [f"hf://{HUB_DATASET}/{HUB_CONFIG}"], "val_inputs": val_inputs,
-            "val_split": "val_input" if val_inputs else f"every {every}th document",
-            "max_tokens": max_tokens, "max_val_tokens": max_val_tokens, "text_field": text_field}
-    train.commit()
-    val.commit()
-    with open(files["meta.json"] + ".tmp", "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(files["meta.json"] + ".tmp", files["meta.json"])
+        bar.close()
+        if val_inputs:
+            for toks in encode_stream(read_documents(val_inputs, text_field), tokenizer, workers):
+                val.write(toks, max_val_tokens)
+                if max_val_tokens is not None and val.tokens >= max_val_tokens:
+                    break
+        if train.tokens == 0 or val.tokens == 0:
+            raise RuntimeError(f"got {train.tokens} train and {val.tokens} val tokens: need some of each "
+                               "(more input documents, or a larger --val_fraction)")
+        if tokenizer.endswith(".json"):   # record where it came from and what it was, for checks against a model
+            tokenizer = os.path.abspath(tokenizer)
+        meta = {"tokenizer": tokenizer, "tokenizer_id": tokenizer_id(tokenizer), "vocab_size": enc.n_vocab,
+                "eot_token": enc.eot_token, "dtype": np.dtype(dtype).name, "train_tokens": train.tokens,
+                "val_tokens": val.tokens, "train_docs": train.docs, "val_docs": val.docs,
+                "inputs": inputs or [f"hf://{HUB_DATASET}/{HUB_CONFIG}"], "val_inputs": val_inputs,
+                "val_split": "val_input" if val_inputs else f"every {every}th document",
+                "max_tokens": max_tokens, "max_val_tokens": max_val_tokens, "text_field": text_field}
+        train.commit()
+        val.commit()
+        with open(files["meta.json"] + ".tmp", "w") as f:
+            json.dump(meta, f, indent=2)
+        os.replace(files["meta.json"] + ".tmp", files["meta.json"])
     print(f"wrote {out_dir}: {train.tokens:,} train tokens ({train.docs:,} docs), "
           f"{val.tokens:,} val tokens ({val.docs:,} docs), {np.dtype(dtype).name}, {time.time() - t0:.1f}s")
     return meta
+
+
+@contextmanager
+def token_writers(out_dir, dtype):
+    """TokenWriters of out_dir's train.bin and val.bin. When the body fails, their partial files are removed, and
+    out_dir too when this call made it and nothing else is in it."""
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    writers = TokenWriter(os.path.join(out_dir, "train.bin"), dtype), TokenWriter(os.path.join(out_dir, "val.bin"), dtype)
+    try:
+        yield writers
+    except BaseException:
+        for w in writers:
+            w.abort()
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
 
 
 def main(argv=None):
