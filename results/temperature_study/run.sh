@@ -1,7 +1,7 @@
 #!/bin/bash
 # Paired multi-seed runs on one GPU, resumable: bash results/temperature_study/run.sh SPEC [SPEC ...]
-#   SPEC = SHAPE:MODE:SEED[:SCALE]   SHAPE 100m | 124m | 350m (config/repro_SHAPE.py; 350m: config/train_350m.py's
-#   shape at repro_100m's budget), MODE baseline | attnres | mhar, SCALE the route_scale (default 1)
+#   SPEC = SHAPE:MODE:SEED[:SCALE]   SHAPE 100m | 124m | 350m: config/repro_100m.py's budget, at its own shape, at
+#   config/repro_124m.py's, or at config/train_350m.py's; MODE baseline | attnres | mhar, SCALE the route_scale (default 1)
 #   e.g. bash results/temperature_study/run.sh 100m:attnres:0:0.5 100m:mhar:0 124m:attnres:2:0.5
 # A run whose log is already in the log folder is skipped (done); a run is written to out/study/NAME and its
 # log.jsonl copied to $LOGS (default results/temperature_study/logs/) only when it finished, so a stopped call
@@ -21,7 +21,8 @@ for spec in "$@"; do
   IFS=: read -r shape mode seed scale <<< "$spec"
   scale=${scale:-1}
   case $shape in
-    100m|124m) cfg=config/repro_$shape.py; shape_args= ;;
+    100m) cfg=config/repro_100m.py; shape_args= ;;
+    124m) cfg="config/repro_100m.py config/repro_124m.py"; shape_args= ;;   # repro_124m.py: the shape alone
     350m) cfg=config/repro_100m.py; shape_args="--n_layer=24 --n_head=16 --n_kv_head=8 --n_embd=1024 --ffn_hidden=4096" ;;
     *) echo "run.sh: unknown shape '$shape' in '$spec' (100m | 124m | 350m)"; exit 2 ;;
   esac
