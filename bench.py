@@ -10,6 +10,7 @@ microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024), its forward and backward replayed a
 
   python bench.py                                                   # every scale and variant, one GPU
   python bench.py --scales=100m --variants=baseline,mhar_fused --steps=40 --profile
+  python bench.py --scales=124m --variants=baseline,mhar_fused,attnres_fused   # paper Table 9's width control
   python bench.py --scales=tiny --device=cpu --steps=2 --compile=False     # CPU smoke test (CI)
 
 Variants (sublayers compiled in all of them when --compile): baseline; mhar_eager (reference routing, eager);
@@ -43,7 +44,10 @@ import routing_kernel as rk
 import train
 from model import GPT, GPTConfig, route_reference
 
-SCALES = {"100m": "config/train_100m.py", "350m": "config/train_350m.py", "1b": "config/train_1b.py",
+# a scale: its config files (applied in order) or the shape itself. 124m: paper Table 9's width control, d768 at the
+# 100M recipe's microbatch (8 x 2048; the paper trained it at sequence 2048, global batch 64)
+SCALES = {"100m": ("config/train_100m.py",), "124m": ("config/train_100m.py", "config/repro_124m.py"),
+          "350m": ("config/train_350m.py",), "1b": ("config/train_1b.py",),
           "tiny": dict(n_layer=2, n_head=2, n_kv_head=1, n_embd=64, ffn_hidden=128, block_size=64, micro_batch=2)}
 VARIANTS = {
     "baseline": dict(residual="baseline"),
@@ -59,8 +63,8 @@ PAPER_VOCAB = 151936
 def scale_config(scale, vocab):
     """(GPTConfig kwargs, micro_batch) of a scale: the shapes of config/train_*.py."""
     spec = SCALES[scale]
-    if isinstance(spec, str):
-        cfg = train.parse_args([os.path.join(os.path.dirname(os.path.abspath(__file__)), spec)])
+    if isinstance(spec, tuple):
+        cfg = train.parse_args([os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in spec])
         spec = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "block_size", "micro_batch")}
     spec = dict(spec)
     micro_batch = spec.pop("micro_batch")

@@ -1835,6 +1835,21 @@ def test_bench_smoke(tmp_path):
     assert r.returncode != 0 and "unknown scale/variant ['2b']" in r.stderr
 
 
+def test_bench_scales_are_the_configs_shapes():
+    """Each bench.py scale is its config files' shape; 124m is config/repro_124m.py's d768 at the 100M microbatch."""
+    for scale, spec in bench.SCALES.items():
+        kw, micro = bench.scale_config(scale, 151936)
+        assert kw["vocab_size"] == (1024 if scale == "tiny" else 151936) and micro > 0
+        if isinstance(spec, tuple):
+            cfg = train.parse_args([os.path.join(HERE, f) for f in spec])
+            assert (kw["n_embd"], kw["n_layer"], kw["block_size"], micro) == (cfg.n_embd, cfg.n_layer, cfg.block_size,
+                                                                               cfg.micro_batch)
+    w, w_micro = bench.scale_config("124m", 50304)
+    b, b_micro = bench.scale_config("100m", 50304)
+    assert (w["n_embd"], w["n_kv_head"], w["n_layer"]) == (768, 4, 12)
+    assert (w["block_size"], w_micro) == (b["block_size"], b_micro) == (2048, 8)
+
+
 def test_tune_candidates_cover_the_configs():
     """bench.py routing --tune / --tune-train can find every config shipped (else a retune silently drops a best)."""
     kernels = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead")
