@@ -1883,6 +1883,8 @@ def test_temperature_study_report_pairs_seeds(tmp_path):
     assert seeds == [0, 1, 2] and [round(x, 6) for x in d] == [0.1, 0.15, 0.05]
     assert abs(st["mean"] - 0.1) < 1e-9 and abs(st["se"] - 0.05 / math.sqrt(3)) < 1e-9 and st["t95"] == 4.303
     assert "| 100m | attnres_x0.5 - mhar | 0,1,2 |" in study.tables(rs)
+    study.plots(rs, str(tmp_path))   # the figures draw from the same runs (seed curves, means, the sweep)
+    assert all(os.path.getsize(tmp_path / f) > 0 for f in ("curves_100m.png", "scale_sweep.png"))
 
 
 def test_bench_authors_file_errors(tmp_path):

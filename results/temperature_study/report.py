@@ -10,7 +10,6 @@ deltas, their mean, standard error (sd / sqrt(n)), t = mean / SE with the two-si
 t for n - 1 degrees of freedom, and how many seeds agree in sign.
 """
 import glob
-import json
 import math
 import os
 import re
@@ -77,37 +76,56 @@ def tables(rs):
 
 
 def plots(rs, out_dir):
+    """curves_SHAPE.png: validation loss and the paired gap to MHAR, one colour per config (thin: each seed, thick: the
+    mean over seeds); scale_sweep.png: tail-5 against route_scale (dots: seeds, bars: mean +- SE, n beside)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    configs = sorted({k[1] for k in rs})
+    colour = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(configs)}
     for shape in sorted({k[0] for k in rs}):
         fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
-        for (sh, cfg, seed), r in sorted(rs.items()):
-            if sh != shape:
+        for cfg in configs:
+            seeds = sorted(sd for (sh, c, sd) in rs if sh == shape and c == cfg)
+            if not seeds:
                 continue
-            steps = [s for s in sorted(r["evals"]) if s >= 300]
-            line = ax.plot(steps, [r["evals"][s] for s in steps], marker=".", label=f"{cfg} s{seed}")[0]
-            ref = rs.get((shape, "mhar", seed))
-            if ref and cfg != "mhar":   # the paired gap to MHAR of the same seed
-                gap.plot(steps, [r["evals"][s] - ref["evals"][s] for s in steps], color=line.get_color(),
-                         label=f"{cfg} s{seed} - mhar s{seed}")
-        ax.set(xlabel="step", ylabel="validation loss", title=f"{shape}: validation loss")
+            steps = [st for st in sorted(rs[(shape, cfg, seeds[0])]["evals"]) if st >= 300]
+            curves = [[rs[(shape, cfg, sd)]["evals"][st] for st in steps] for sd in seeds]
+            paired = [sd for sd in seeds if cfg != "mhar" and (shape, "mhar", sd) in rs]
+            gaps = [[rs[(shape, cfg, sd)]["evals"][st] - rs[(shape, "mhar", sd)]["evals"][st] for st in steps]
+                    for sd in paired]
+            for panel, ys, label in ((ax, curves, f"{cfg} (seeds {','.join(map(str, seeds))})"),
+                                     (gap, gaps, f"{cfg} - mhar (seeds {','.join(map(str, paired))})")):
+                if not ys:
+                    continue
+                for y in ys:
+                    panel.plot(steps, y, color=colour[cfg], lw=0.7, alpha=0.35)
+                panel.plot(steps, [statistics.mean(v) for v in zip(*ys)], color=colour[cfg], lw=2, label=label)
+        ax.set(xlabel="step", ylabel="validation loss", title=f"{shape}: validation loss (thick: mean over seeds)")
         gap.axhline(0, color="k", lw=0.5)
         gap.set(xlabel="step", ylabel="loss - MHAR's (same seed)", title=f"{shape}: paired gap to MHAR")
-        ax.legend(fontsize=6)
-        gap.legend(fontsize=6)
+        ax.legend(fontsize=7)
+        gap.legend(fontsize=7)
         fig.savefig(os.path.join(out_dir, f"curves_{shape}.png"), dpi=120)
         plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    scales = set()
     for shape, mode in sorted({(k[0], k[1].split("_x")[0]) for k in rs if k[1] != "baseline"}):
         pts = {}
         for (sh, cfg, seed), r in rs.items():
             if sh == shape and cfg.split("_x")[0] == mode:
                 pts.setdefault(float(cfg.split("_x")[1]) if "_x" in cfg else 1.0, []).append(r["tail"])
         xs = sorted(pts)
-        ax.errorbar(xs, [statistics.mean(pts[x]) for x in xs], marker="o", capsize=3, label=f"{shape} {mode}",
-                    yerr=[statistics.stdev(pts[x]) / math.sqrt(len(pts[x])) if len(pts[x]) > 1 else 0 for x in xs])
+        scales |= set(xs)
+        bar = ax.errorbar(xs, [statistics.mean(pts[x]) for x in xs], marker="o", capsize=3, label=f"{shape} {mode}",
+                          yerr=[statistics.stdev(pts[x]) / math.sqrt(len(pts[x])) if len(pts[x]) > 1 else 0 for x in xs])
+        for x in xs:
+            ax.plot([x] * len(pts[x]), pts[x], ".", color=bar[0].get_color(), alpha=0.35)
+            ax.annotate(f"n={len(pts[x])}", (x, statistics.mean(pts[x])), textcoords="offset points", xytext=(6, -3),
+                        fontsize=7)
     ax.set(xscale="log", xlabel="route_scale s", ylabel="tail-5 validation loss (mean +- SE over seeds)")
+    ax.set_xticks(sorted(scales), [f"{x:g}" for x in sorted(scales)])
+    ax.minorticks_off()
     ax.legend(fontsize=7)
     fig.savefig(os.path.join(out_dir, "scale_sweep.png"), dpi=120)
     plt.close(fig)
