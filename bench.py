@@ -8,7 +8,7 @@ master weights, fused AdamW step and gradient clipping included, one microbatch 
 microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024), its forward and backward replayed as a CUDA graph on a GPU
 (train.GraphedMicrostep; --cuda_graph=False launches every kernel from Python, as the eager step does).
 
-  python bench.py                                                   # every scale and variant, one GPU
+  python bench.py                                                   # 100m, 350m, 1b: every variant, one GPU
   python bench.py --scales=100m --variants=baseline,mhar_fused --steps=40 --profile
   python bench.py --scales=124m --variants=baseline,mhar_fused,attnres_fused   # paper Table 9's width control
   python bench.py --scales=tiny --device=cpu --steps=2 --compile=False     # CPU smoke test (CI)
@@ -61,7 +61,7 @@ PAPER_VOCAB = 151936
 
 
 def scale_config(scale, vocab):
-    """(GPTConfig kwargs, micro_batch) of a scale: the shapes of config/train_*.py."""
+    """(GPTConfig kwargs, micro_batch) of a scale: its config files' shape and microbatch."""
     spec = SCALES[scale]
     if isinstance(spec, tuple):
         cfg = train.parse_args([os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in spec])
