@@ -91,11 +91,11 @@ def plots(rs, out_dir):
                 continue
             steps = [st for st in sorted(rs[(shape, cfg, seeds[0])]["evals"]) if st >= 300]
             curves = [[rs[(shape, cfg, sd)]["evals"][st] for st in steps] for sd in seeds]
-            paired = [sd for sd in seeds if cfg != "mhar" and (shape, "mhar", sd) in rs]
+            with_mhar = [sd for sd in seeds if cfg != "mhar" and (shape, "mhar", sd) in rs]
             gaps = [[rs[(shape, cfg, sd)]["evals"][st] - rs[(shape, "mhar", sd)]["evals"][st] for st in steps]
-                    for sd in paired]
+                    for sd in with_mhar]
             for panel, ys, label in ((ax, curves, f"{cfg} (seeds {','.join(map(str, seeds))})"),
-                                     (gap, gaps, f"{cfg} - mhar (seeds {','.join(map(str, paired))})")):
+                                     (gap, gaps, f"{cfg} - mhar (seeds {','.join(map(str, with_mhar))})")):
                 if not ys:
                     continue
                 for y in ys:
