@@ -1,5 +1,5 @@
 """
-Benchmarks, two of them.
+Benchmarks: the training step (1), the routing chain alone (2), generation (3), the step on several processes (4).
 
 1. The training step minus data and eval (nanoGPT's bench.py): tokens/s, MFU, peak memory and the routing share of
 every residual variant at the paper's scales, in the layout of paper Tables 4 / 8 (throughput relative to our
@@ -27,6 +27,12 @@ correctness against route_reference, GPU time (CUDA-graph replay) and eager wall
 per-kernel profile; --tune / --tune-train search the launch settings (routing_kernel.RoutingConfig), --check-large
 checks offsets past 2^31 elements, --delta times the per-call kernels at an 8B delta model's shape. See
 `python bench.py routing -h`.
+
+3. `python bench.py generate`: tokens/s of GPT.generate with and without the KV cache and its CUDA-graphed step.
+
+4. `torchrun --standalone --nproc_per_node=8 bench.py ddp`: the step on N processes at the paper's global batch,
+the gradients averaged three ways (none, after the graphs, overlapped with the backward): the all-reduce's share of
+the step and what overlapping it buys. See `python bench.py ddp -h`.
 """
 import argparse
 import gc
@@ -39,6 +45,7 @@ import time
 from dataclasses import fields, replace
 
 import torch
+import torch.distributed as dist
 
 import routing_kernel as rk
 import train
@@ -60,14 +67,21 @@ VARIANTS = {
 PAPER_VOCAB = 151936
 
 
+def scale_spec(scale):
+    """A scale's shape, per-process microbatch and global batch (sequences per optimizer step)."""
+    spec = SCALES[scale]
+    if not isinstance(spec, tuple):
+        return dict(spec, global_batch=2 * spec["micro_batch"])
+    cfg = train.parse_args([os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in spec])
+    keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "block_size", "micro_batch")
+    return dict({k: getattr(cfg, k) for k in keys}, global_batch=cfg.batch_tokens // cfg.block_size)
+
+
 def scale_config(scale, vocab):
     """(GPTConfig kwargs, micro_batch) of a scale: its config files' shape and microbatch."""
-    spec = SCALES[scale]
-    if isinstance(spec, tuple):
-        cfg = train.parse_args([os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in spec])
-        spec = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "block_size", "micro_batch")}
-    spec = dict(spec)
+    spec = scale_spec(scale)
     micro_batch = spec.pop("micro_batch")
+    spec.pop("global_batch")
     return dict(spec, vocab_size=vocab if scale != "tiny" else 1024), micro_batch
 
 
@@ -85,8 +99,14 @@ def build(scale, variant, device, compile_model, vocab):
     return model, opt, B
 
 
-def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profile_dir=None, cuda_graph=False):
+def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profile_dir=None, cuda_graph=False,
+              accum=1, grad_sync=None, bucket_mb=25.0):
+    """One variant's step timed (see the docstring). Under torchrun (bench.py ddp) a step is accum microbatches and
+    grad_sync says how the processes average the gradients: None (they do not: the step without communication),
+    "after" (train.sync_grads after the graphs, train.py's default) or "overlap" (train.OverlappedGradSync); the
+    step time is the slowest process's."""
     cuda = device.startswith("cuda")
+    world = dist.get_world_size() if dist.is_initialized() else 1
     torch._dynamo.reset()   # each variant compiles afresh: no recompile limits or guards shared with earlier ones
     if cuda:
         gc.collect()
@@ -100,19 +120,28 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     inputs, targets = x[:, :-1], x[:, 1:]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
-    graphed = train.GraphedMicrostep(model, autocast) if cuda_graph and cuda else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    overlap = train.OverlappedGradSync(params, bucket_mb) if grad_sync == "overlap" else None
+    graphed = train.GraphedMicrostep(model, autocast, loss_scale=1 / accum, grad_sync=overlap) if cuda_graph and cuda else None
 
     def step():   # no host sync inside: the loss stays on the device
-        if graphed is not None:
-            loss = graphed(inputs, targets)
-        else:
+        for k in range(accum):
+            if graphed is not None:
+                loss = graphed(inputs, targets, first=k == 0, last=k == accum - 1)
+                continue
+            if overlap is not None:
+                overlap.begin(last=k == accum - 1)
             with autocast:
                 _, loss = model(inputs, targets)
-            loss.backward()
+            (loss / accum).backward()
+            if overlap is not None:
+                overlap.finish()
+        if grad_sync == "after":
+            train.sync_grads(params, world)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if graphed is None:   # the graph's backward overwrites its own .grad tensors
-            opt.zero_grad(set_to_none=True)
+        if graphed is None:   # the graph's first microbatch overwrites (or zeroes) its own .grad tensors
+            overlap.zero_grad() if overlap is not None else opt.zero_grad(set_to_none=True)
         return loss
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -128,15 +157,24 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     if not torch.isfinite(loss):
         raise RuntimeError(f"{scale}/{variant}: non-finite loss {loss.item()}")
     step_s = sorted(times)[len(times) // 2]
-    tok_s = B * T / step_s
+    if world > 1:   # the slowest process sets the pace
+        slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        step_s = slowest.item()
+    tok_s = accum * B * T / step_s   # per process
     name = torch.cuda.get_device_name(device) if cuda else None
     row = dict(scale=scale, variant=variant, cuda_graph=graphed is not None, micro_batch=B, seq_len=T, tok_s=tok_s,
+               accum=accum, world=world, grad_sync=grad_sync, grad_bytes=sum(p.numel() * p.element_size() for p in params),
                step_ms=1e3 * step_s, step_ms_min=1e3 * min(times), step_ms_each=[round(1e3 * t, 3) for t in times],
                mfu=model.estimate_mfu(tok_s, name, T),
                peak_gb=(torch.cuda.max_memory_allocated(device) - held) / 1e9 if cuda else None,
                reserved_gb=torch.cuda.max_memory_reserved(device) / 1e9 if cuda else None,
                held_before_gb=held / 1e9 if cuda else None,
                params=model.num_params(), loss=loss.item())
+    if grad_sync == "after":   # the all-reduce alone, on gradients of the step's shapes
+        for p in params:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad   # eager steps leave them unset
+        row["allreduce_ms"] = 1e3 * median_time(lambda: train.sync_grads(params, world), sync, steps)
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile
         os.makedirs(profile_dir, exist_ok=True)
@@ -157,11 +195,22 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
         row["trace"] = path + ".json"
         if cuda:   # kernel time per step against the step's wall time: below it, the host is the bottleneck
             row["gpu_busy_ms"] = sum(e.self_device_time_total for e in events) / 1e3 / 3
-    del model, opt, graphed, step, loss
+    del model, opt, graphed, step, loss, params, overlap
     if cuda:   # the step closure, the graph wrapper and the compiled modules hold each other: free them now, or
         gc.collect()   # the next run's peak counts this run's weights, gradients and graph pool
         torch.cuda.empty_cache()
     return row
+
+
+def median_time(fn, sync, n):
+    """Median seconds of n calls of fn, each closed by sync."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2]
 
 
 def routing_ms(scale, variant, device, vocab):
@@ -206,6 +255,8 @@ def main(argv=None):
         return routing_main(argv[1:])
     if argv[:1] == ["generate"]:
         return generate_main(argv[1:])
+    if argv[:1] == ["ddp"]:
+        return ddp_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scales", default="100m,350m,1b", help=f"comma-separated subset of {','.join(SCALES)}")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
@@ -693,6 +744,97 @@ def routing_main(argv):
         json.dump({"header": header, "copy_gbps": copy_bw, "rows": rows}, f, indent=1)
     print(f"wrote {args.output}")
     return rows
+
+
+# -----------------------------------------------------------------------------
+# 4. several processes: torchrun --standalone --nproc_per_node=N bench.py ddp [...]
+
+WAYS = ("none", "after", "overlap")
+
+
+def ddp_main(argv):
+    """The training step on N processes at the paper's global batch (each process: its share, in microbatches),
+    with the gradient average done three ways in one process group: none (no communication: what the step would
+    cost if it were free), after (train.py's default: one all-reduce after the step's graphs) and overlap
+    (--grad_sync=overlap: bucketed all-reduces captured under the last microbatch's backward). The all-reduce's share
+    of the step is 1 - none / after; the all-reduce alone is timed on the same gradients."""
+    p = argparse.ArgumentParser(prog="bench.py ddp", description=ddp_main.__doc__)
+    p.add_argument("--scales", default="100m,350m,1b", help=f"comma-separated subset of {','.join(SCALES)}")
+    p.add_argument("--variants", default="baseline,mhar_fused", help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated subset of {','.join(WAYS)}")
+    p.add_argument("--accum", type=int, default=0, help="microbatches per step (0: the scale's global batch / N)")
+    p.add_argument("--bucket_mb", type=float, default=25.0, help="overlap: gradient bucket size (train.py --grad_bucket_mb)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run (the median is reported)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, autotuning, capture)")
+    p.add_argument("--compile", default="True", choices=("True", "False"), help="torch.compile each sublayer")
+    p.add_argument("--cuda_graph", default="True", choices=("True", "False"), help="CUDA-graph microsteps (CUDA only)")
+    p.add_argument("--vocab", type=int, default=PAPER_VOCAB, help="vocabulary of the synthetic tokens (paper: 151,936)")
+    p.add_argument("--output", default="out/bench_ddp.json", help="results JSON (rank 0)")
+    args = p.parse_args(argv)
+    pick = lambda text: [v.strip() for v in text.split(",") if v.strip()]
+    scales, variants, ways = pick(args.scales), pick(args.variants), pick(args.ways)
+    bad = [v for v in scales if v not in SCALES] + [v for v in variants if v not in VARIANTS] + [v for v in ways if v not in WAYS]
+    if bad or not (scales and variants and ways):
+        sys.exit(f"bench.py ddp: error: unknown scale/variant/way {bad}; scales: {','.join(SCALES)}; variants: "
+                 f"{','.join(VARIANTS)}; ways: {','.join(WAYS)}")
+    if "RANK" not in os.environ:
+        sys.exit("bench.py ddp: run it under torchrun, e.g. torchrun --standalone --nproc_per_node=8 bench.py ddp")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{local_rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None)
+    world, master = dist.get_world_size(), dist.get_rank() == 0
+    say = print if master else (lambda *a, **k: None)
+    dist.barrier()   # the communicator exists before any graph capture
+    header = (f"git {train.git_revision()} | torch {torch.__version__} | {world} x "
+              f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}")
+    say(header, flush=True)
+    rows = []
+    for scale in scales:
+        spec = scale_spec(scale)
+        accum = args.accum or spec["global_batch"] // (world * spec["micro_batch"])
+        if not args.accum and accum * world * spec["micro_batch"] != spec["global_batch"]:
+            sys.exit(f"bench.py ddp: {scale}'s global batch of {spec['global_batch']} sequences is not a multiple of "
+                     f"{world} processes x microbatch {spec['micro_batch']}; pass --accum")
+        for variant in variants:
+            for way in ways:
+                row = bench_one(scale, variant, device, args.steps, args.warmup, args.compile == "True", args.vocab,
+                                cuda_graph=args.cuda_graph == "True", accum=accum,
+                                grad_sync=None if way == "none" else way, bucket_mb=args.bucket_mb)
+                rows.append(row)
+                say(f"{scale:5s} {variant:14s} {way:8s} {world} x {accum} x {row['micro_batch']} x {row['seq_len']}: "
+                    f"{row['step_ms']:8.1f} ms/step, {world * row['tok_s']:12,.0f} tok/s"
+                    + (f"; the all-reduce alone {row['allreduce_ms']:.2f} ms ({row['grad_bytes'] / 1e9:.2f} GB)"
+                       if "allreduce_ms" in row else ""), flush=True)
+    say(ddp_table(rows, world))
+    if master:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump({"header": header, "args": vars(args), "rows": rows}, f, indent=1)
+        print(f"wrote {args.output}")
+    dist.destroy_process_group()
+    return rows
+
+
+def ddp_table(rows, world):
+    """Per scale and variant: step time by way, the all-reduce's share of the step, overlap's gain, the all-reduce
+    alone (with its bus bandwidth, NCCL's convention: bytes x 2 (N - 1) / N per second)."""
+    lines = ["| scale | variant | step ms: none, after, overlap | all-reduce share (1 - none / after) | "
+             "overlap: x the tok/s of after | all-reduce alone: ms, bus GB/s |", "|---|---|---|---|---|---|"]
+    for key in dict.fromkeys((r["scale"], r["variant"]) for r in rows):
+        by = {r["grad_sync"] or "none": r for r in rows if (r["scale"], r["variant"]) == key}
+        ms = lambda w: by[w]["step_ms"] if w in by else None
+        cell = lambda v, f: f.format(v) if v is not None else "-"
+        share = 1 - ms("none") / ms("after") if ms("none") and ms("after") else None
+        gain = ms("after") / ms("overlap") if ms("after") and ms("overlap") else None
+        alone = by.get("after", {}).get("allreduce_ms")
+        bus = by["after"]["grad_bytes"] * 2 * (world - 1) / world / (alone / 1e3) / 1e9 if alone and world > 1 else None
+        lines.append(f"| {key[0]} | {key[1]} | {', '.join(cell(ms(w), '{:.1f}') for w in WAYS)} | "
+                     f"{cell(share, '{:.1%}')} | {cell(gain, '{:.3f}x')} | {cell(alone, '{:.2f}')}, {cell(bus, '{:.0f}')} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1008,6 +1008,8 @@ def test_tokenizer_error_is_actionable(monkeypatch, tmp_path):
     (["--warmup_steps=-5"], r"warmup_steps=-5 must be >= 0"),
     (["--beta2=1"], r"beta2=1.0 must be in \[0, 1\)"),
     (["--device=gpu"], r"device='gpu' is not one of auto, cpu, cuda, cuda:N"),
+    (["--grad_sync=ddp"], r"grad_sync='ddp' is not one of after, overlap"),
+    (["--grad_bucket_mb=0"], r"grad_bucket_mb=0.0 must be positive"),
 ])
 def test_bad_train_options(argv, msg):
     with pytest.raises(ValueError, match=msg):
@@ -1306,13 +1308,69 @@ def test_sigterm_saves_and_the_resumed_run_matches(tmp_path, data_dir):
 def test_ddp_two_processes_match_one(tmp_path, data_dir):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     r1 = run_train(one, data_dir, "--max_steps=12", "--eval_interval=6")
-    r2 = run_train(two, data_dir, "--max_steps=12", "--eval_interval=6", nproc=2)
+    r2 = run_train(two, data_dir, "--max_steps=12", "--eval_interval=6", "--grad_sync=overlap", nproc=2)
     assert r1.returncode == 0 and r2.returncode == 0, r2.stdout + r2.stderr
     assert "2 processes x 1 micro-steps" in r2.stdout and "1 processes x 2 micro-steps" in r1.stdout
+    assert "gradients: one process, nothing to average" in r1.stdout
+    assert "gradients: DDP's bucketed all-reduce during the backward (--grad_sync=overlap is for graphed" in r2.stdout
     a, b = read_log(one), read_log(two)
     diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
     assert sorted(a[0]) == sorted(b[0]) and diff < 1e-4, diff
     assert max(abs(a[1][s]["val_loss"] - b[1][s]["val_loss"]) for s in a[1]) < 1e-4
+
+
+OVERLAP_WORKER = """
+import sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import train
+from model import GPT, GPTConfig
+dist.init_process_group("gloo")
+rank, residual, bucket_mb = dist.get_rank(), sys.argv[2], float(sys.argv[3])
+torch.manual_seed(0)
+cfg = GPTConfig(vocab_size=96, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64, block_size=16, residual=residual)
+models = [GPT(cfg), GPT(cfg)]
+models[1].load_state_dict(models[0].state_dict())
+ref_params, params = ([p for p in m.parameters() if p.requires_grad] for m in models)
+sync = train.OverlappedGradSync(params, bucket_mb)
+for step in range(3):   # the first step records the order, the others run the buckets
+    batches = [torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(100 * step + 10 * rank + k))
+               for k in range(2)]   # another batch on each process
+    for p in ref_params:
+        p.grad = None
+    for b in batches:   # the reference: accumulate, then one all-reduce after
+        (models[0](b[:, :-1], b[:, 1:])[1] / 2).backward()
+    train.sync_grads(ref_params, 2)
+    sync.zero_grad()
+    for k, b in enumerate(batches):
+        sync.begin(last=k == 1)
+        (models[1](b[:, :-1], b[:, 1:])[1] / 2).backward()
+        launched = sync.next   # buckets whose all-reduce the backward's hooks started
+        sync.finish()
+    diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(ref_params, params))
+    views = all(p.grad.untyped_storage().data_ptr() == sync.flat.untyped_storage().data_ptr() for p in params)
+    with open(f"{sys.argv[4]}/rank{rank}.txt", "a") as f:
+        f.write(f"step {step} diff {diff:.3g} buckets {len(sync.buckets)} launched {launched} views {views}\\n")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("residual,bucket_mb", [("mhar", 0.01), ("baseline", 25.0)])
+def test_overlapped_grad_sync_matches_one_all_reduce(tmp_path, residual, bucket_mb):
+    """--grad_sync=overlap's reducer (2 CPU processes, gloo; eager, where the graphed step captures the same hooks):
+    the gradients averaged bucket by bucket during the backward equal train.sync_grads' one all-reduce after it, every
+    bucket was launched by the backward's hooks, and every .grad is a view into the one buffer."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(OVERLAP_WORKER)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+                        HERE, residual, str(bucket_mb), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = re.findall(r"step (\d) diff (\S+) buckets (\d+) launched (\d+) views (\w+)",
+                       (tmp_path / "rank0.txt").read_text() + (tmp_path / "rank1.txt").read_text())
+    assert len(lines) == 6, lines
+    for step, diff, buckets, launched, views in lines:   # step 0's first microbatch recorded the order
+        assert float(diff) <= 1e-7 and views == "True" and launched == buckets and (int(buckets) > 5) == (bucket_mb < 1)
 
 
 def test_fused_training_curve_matches_reference(tmp_path, data_dir):
@@ -1479,18 +1537,23 @@ def test_cuda_graph_capture_failure_is_reported_and_undone():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (run on a several-GPU machine)")
 def test_ddp_cuda_graph_matches_ddp(tmp_path, data_dir):
     """Under torchrun the graphed step runs without the DDP wrapper and averages the gradients after the graphs
-    (train.py sync_grads): 2 processes with graphs follow 2 processes with DDP (fp32, 2 micro-steps each)."""
+    (train.py sync_grads), or with --grad_sync=overlap inside the last microbatch's graph: 2 processes with graphs,
+    either way, follow 2 processes with DDP (fp32, 2 micro-steps each)."""
     gpu = ["--device=cuda", "--dtype=float32", "--routing_impl=fused", "--batch_tokens=1024", "--max_steps=8",
            "--eval_interval=4"]
     runs = {}
-    for graph in ("False", "True"):
-        out = str(tmp_path / graph)
-        r = run_train(out, data_dir, *gpu, f"--cuda_graph={graph}", nproc=2)
+    for name, flags in (("ddp", ["--cuda_graph=False"]), ("after", []), ("overlap", ["--grad_sync=overlap", "--grad_bucket_mb=0.05"])):
+        out = str(tmp_path / name)
+        r = run_train(out, data_dir, *gpu, *flags, nproc=2)
         assert r.returncode == 0 and "2 processes x 2 micro-steps" in r.stdout, r.stdout + r.stderr
-        runs[graph] = read_log(out)
-    (a, a_eval), (b, b_eval) = runs["False"], runs["True"]
-    assert max(abs(a[s]["loss"] - b[s]["loss"]) for s in a) < 1e-3
-    assert max(abs(a_eval[s]["val_loss"] - b_eval[s]["val_loss"]) for s in a_eval) < 1e-3
+        assert "CUDA graphs off" not in r.stdout, r.stdout   # no fallback to eager steps
+        runs[name] = read_log(out)
+    assert "bucketed all-reduces (0.05 MB) in the last microbatch's graph" in r.stdout
+    (a, a_eval) = runs["ddp"]
+    for b, b_eval in (runs["after"], runs["overlap"]):
+        assert max(abs(a[s]["loss"] - b[s]["loss"]) for s in a) < 1e-3
+        assert max(abs(a_eval[s]["val_loss"] - b_eval[s]["val_loss"]) for s in a_eval) < 1e-3
+    assert max(abs(runs["after"][0][s]["loss"] - runs["overlap"][0][s]["loss"]) for s in a) < 1e-5   # the same sums
     assert a[8]["loss"] < a[1]["loss"]   # the runs trained
 
 
@@ -1858,6 +1921,23 @@ def test_tune_candidates_cover_the_configs():
     assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
 
 
+def test_bench_ddp_smoke(tmp_path):
+    """bench.py ddp under torchrun (2 CPU processes, gloo): the step with no average, one all-reduce after, and the
+    overlapped buckets, and the share table."""
+    out = tmp_path / "ddp.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(HERE, "bench.py"), "ddp", "--scales=tiny", "--variants=baseline", "--steps=2",
+                        "--warmup=1", "--compile=False", "--bucket_mb=0.01", f"--output={out}"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["grad_sync"], row["world"], row["accum"]) for row in rows] == [(None, 2, 1), ("after", 2, 1), ("overlap", 2, 1)]
+    assert rows[1]["allreduce_ms"] > 0 and all(math.isfinite(row["loss"]) for row in rows)
+    assert re.search(r"\| tiny \| baseline \| [\d.]+, [\d.]+, [\d.]+ \| -?[\d.]+% \| [\d.]+x \|", r.stdout), r.stdout
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "ddp"], capture_output=True, text=True)
+    assert r.returncode != 0 and "run it under torchrun" in r.stderr
+
+
 def test_bench_generate_smoke(tmp_path):
     """bench.py generate (the KV cache's speed against uncached generation): runs on the CPU at the tiny scale."""
     rows = bench.generate_main(["--scale=tiny", "--device=cpu", "--prompt=8", "--new=4", "--batch=1,2",
@@ -1885,6 +1965,27 @@ def test_temperature_study_report_pairs_seeds(tmp_path):
     assert "| 100m | attnres_x0.5 - mhar | 0,1,2 |" in study.tables(rs)
     study.plots(rs, str(tmp_path))   # the figures draw from the same runs (seed curves, means, the sweep)
     assert all(os.path.getsize(tmp_path / f) > 0 for f in ("curves_100m.png", "scale_sweep.png"))
+
+
+def test_multigpu_scaling_table(tmp_path):
+    """results/multigpu/compare.py --table: run.sh scaling's logs, by name, to the scaling table's rows (hand-made
+    logs: a test of the arithmetic, not a result)."""
+    def log(name, tok_s, bump):
+        with open(tmp_path / f"{name}.log.jsonl", "w") as f:
+            for step in range(1, 21):
+                f.write(json.dumps({"step": step, "loss": 10 - step / 10 + bump * (step == 7), "tok_per_s": tok_s}) + "\n")
+                if step % 10 == 0:
+                    f.write(json.dumps({"step": step, "val_loss": 8 - step / 10 + bump}) + "\n")
+    log("1b_mhar_1gpu", 1000.0, 0)
+    log("1b_mhar_1gpu_again", 1010.0, 0.02)
+    log("1b_mhar_8gpu", 7600.0, 0.01)
+    log("1b_mhar_8gpu_overlap", 7900.0, 0.01)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "results", "multigpu", "compare.py"), "--table", str(tmp_path),
+                        "8"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| 1b")]
+    assert rows == ["| 1b | mhar | after | 1,000, 7,600 | 7.60x, 95.0% | 0.0100 / 0.0005 | 0.0200 / 0.0010 | +0.0100, +0.0200 |",
+                    "| 1b | mhar | overlap | 1,000, 7,900 | 7.90x, 98.8% | 0.0100 / 0.0005 | 0.0200 / 0.0010 | +0.0100, +0.0200 |"]
 
 
 def test_bench_authors_file_errors(tmp_path):

@@ -19,6 +19,7 @@ import ast
 import atexit
 import difflib
 import errno
+import functools
 import inspect
 import json
 import math
@@ -87,6 +88,8 @@ class TrainConfig:
     fsdp: bool = False                  # FSDP2: shard each sublayer over the processes, bf16 compute, fp32 master weights
     save: bool = True                   # write out_dir/ckpt.pt at every eval and at the end (False: speed runs, only the log)
     cuda_graph: bool = True             # replay microbatches as CUDA graphs where they apply (CUDA, no FSDP; else says why)
+    grad_sync: str = "after"            # torchrun + CUDA graphs: after (one all-reduce after them) | overlap (under the backward)
+    grad_bucket_mb: float = 25.0        # grad_sync=overlap: gradient bucket size in MB (DDP's default)
     seed: int = 42                      # fixes initialisation and data order
 
 
@@ -99,7 +102,7 @@ Config = make_dataclass("Config", [(f.name, f.type, field(default=f.default)) fo
 # resolving -1 to max_steps: the schedule's horizon must match)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
              "dtype", "compile", "micro_batch", "activation_checkpointing", "routing_impl", "lr_decay_steps", "save",
-             "cuda_graph"}
+             "cuda_graph", "grad_sync", "grad_bucket_mb"}
 
 
 # ---- options ---------------------------------------------------------------------------------------------------------
@@ -165,10 +168,11 @@ def parse_args(argv):
             setattr(cfg, key, check_type(key, val))
             cfg.explicit.add(key)
     for key, allowed in (("dtype", ("auto", "bfloat16", "float32")), ("lr_schedule", ("cosine", "linear", "1-sqrt")),
-                         ("param_dtype", ("float32", "bfloat16"))):
+                         ("param_dtype", ("float32", "bfloat16")), ("grad_sync", ("after", "overlap"))):
         if getattr(cfg, key) not in allowed:
             raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
-    for key in ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr"):
+    for key in ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr",
+                "grad_bucket_mb"):
         if getattr(cfg, key) <= 0:
             raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
     for key in ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps"):
@@ -235,6 +239,20 @@ def graph_plan(cuda_graph, device, fsdp):
     if fsdp:
         return False, "FSDP's gradient hooks are not captured: eager steps"
     return True, "each microbatch's forward and backward replayed; --cuda_graph=False launches kernels from Python"
+
+
+def grad_sync_plan(cfg, rt):
+    """(overlap the gradient average in the graphs?, how the processes average their gradients: a log line)."""
+    if rt.world == 1 and not cfg.fsdp:
+        return False, "one process, nothing to average" + (" (--grad_sync=overlap unused)" if cfg.grad_sync == "overlap" else "")
+    if cfg.fsdp:
+        return False, "FSDP2 reduce-scatters them per sublayer during the backward"
+    if not rt.graphs:
+        return False, "DDP's bucketed all-reduce during the backward" + (
+            " (--grad_sync=overlap is for graphed steps; DDP overlaps already)" if cfg.grad_sync == "overlap" else "")
+    if cfg.grad_sync == "overlap":
+        return True, f"bucketed all-reduces ({cfg.grad_bucket_mb:g} MB) in the last microbatch's graph, under its backward"
+    return False, "one all-reduce after the step's graphs (--grad_sync=overlap starts it under the backward)"
 
 
 def setup_runtime(cfg):
@@ -735,6 +753,104 @@ def sync_grads(params, world):
     torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
 
 
+class OverlappedGradSync:
+    """The gradient average of graphed steps, started during the backward instead of after it: DDP's bucketed
+    reducer in a form a CUDA graph can capture. Every .grad is a view into one flat buffer, laid out in the order the
+    backward finishes the gradients and cut into buckets of ~bucket_mb; a hook on each parameter launches its bucket's
+    all-reduce (async, on the process group's stream) once the bucket's last gradient is written, so the transfer runs
+    under the rest of the backward. Buckets launch in index order on every process, as collectives must; finish()
+    joins them. Inside a captured microbatch the hooks run once, at capture, and each replay repeats their all-reduces.
+
+        sync = OverlappedGradSync(params)
+        sync.zero_grad(); sync.begin(last=True); loss.backward(); sync.finish()   # .grad: the mean over processes
+
+    The first backward only records the order (rank 0's is used everywhere), then builds the buffer and, on a last
+    microbatch, averages it in one all-reduce. A parameter that got no gradient stays out (its .grad stays None)."""
+
+    def __init__(self, params, bucket_mb=25.0):
+        self.params, self.bucket_bytes = list(params), bucket_mb * 2**20
+        self.flat = None     # the gradients, one buffer; None until the first backward has shown their order
+        self.buckets = []    # (start, end, number of parameters) in flat, in launch order
+        self.bucket_of = {}  # parameter index -> its bucket
+        self.order, self.armed, self.works = [], False, []
+        self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
+                      for i, p in enumerate(self.params)]
+
+    def zero_grad(self):
+        """Zero the buffer (the gradients stay its views); before it exists, unset every .grad."""
+        if self.flat is not None:
+            self.flat.zero_()
+        else:
+            for p in self.params:
+                p.grad = None
+
+    def begin(self, last):
+        """Before a backward: on the step's last microbatch, average the gradients during it; else only accumulate."""
+        self.armed, self.next, self.works = last, 0, []
+        self.left = [n for _, _, n in self.buckets]   # gradients each bucket still waits for
+
+    def _ready(self, i, p):   # p.grad is final for this backward
+        if self.flat is None:
+            if i not in self.bucket_of:   # the first backward: record the order
+                self.bucket_of[i] = None
+                self.order.append(i)
+            return
+        b = self.bucket_of.get(i)
+        if self.armed and b is not None:
+            self.left[b] -= 1
+            while self.next < len(self.buckets) and self.left[self.next] == 0:
+                self._launch()
+
+    def _launch(self):
+        start, end, _ = self.buckets[self.next]
+        self.works.append(dist.all_reduce(self.flat[start:end], op=dist.ReduceOp.AVG, async_op=True))
+        self.next += 1
+
+    def finish(self):
+        """After the backward: on the last microbatch, wait for every bucket's all-reduce (launching any left)."""
+        if self.flat is None:
+            self._build()
+            if self.armed:
+                dist.all_reduce(self.flat, op=dist.ReduceOp.AVG)
+        elif self.armed:
+            while self.next < len(self.buckets):
+                self._launch()
+            for work in self.works:
+                work.wait()
+        self.armed, self.works = False, []
+
+    def _build(self):
+        """The buffer from the recorded order (rank 0's), each gradient moved into its view."""
+        shared = [self.order]
+        dist.broadcast_object_list(shared, src=0)   # one layout on every process: the collectives must match
+        order = shared[0]
+        dtypes = sorted({str(self.params[i].dtype) for i in order})
+        if len(dtypes) != 1:
+            raise ValueError(f"grad_sync=overlap needs one gradient dtype, the parameters have {dtypes}: "
+                             "use --grad_sync=after")
+        first = self.params[order[0]]
+        self.flat = torch.zeros(sum(self.params[i].numel() for i in order), dtype=first.dtype, device=first.device)
+        self.bucket_of, start, end, count = {}, 0, 0, 0
+        for i in order:
+            p = self.params[i]
+            if count and (end - start + p.numel()) * p.element_size() > self.bucket_bytes:
+                self.buckets.append((start, end, count))
+                start, count = end, 0
+            view = self.flat[end:end + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            self.bucket_of[i] = len(self.buckets)
+            end, count = end + p.numel(), count + 1
+        self.buckets.append((start, end, count))
+
+    def close(self):
+        """Remove the hooks: the gradients are averaged some other way from now on."""
+        for hook in self.hooks:
+            hook.remove()
+        self.armed, self.works = False, []
+
+
 class GraphCaptureError(RuntimeError):
     """A microbatch's forward and backward could not be captured as a CUDA graph (gradients left as before it)."""
 
@@ -747,46 +863,58 @@ class GraphedMicrostep:
     eager autograd does after zero_grad(set_to_none=True)); later microbatches add into them. The graphs fix the
     batch shape, their input buffers and the .grad tensors: never set .grad to None afterwards (no zero_grad
     needed, the first microbatch overwrites). The model is not wrapped in DDP or FSDP (their gradient hooks are
-    not captured here): under torchrun, train.py averages the gradients after the graphs (sync_grads). The model
-    must run without host syncs (every mode does).
+    not captured here): under torchrun, train.py averages the gradients after the graphs (sync_grads), or, given
+    grad_sync (an OverlappedGradSync), a third graph for the step's last microbatch holds the average, started
+    under its backward: then the .grad tensors are views into grad_sync's buffer, which the first microbatch's graph
+    zeroes. The model must run without host syncs (every mode does).
 
         micro = GraphedMicrostep(model, autocast, loss_scale=1 / accum)
-        loss = micro(x, y, first=k == 0)   # first call of each kind warms up and captures; returns the loss
+        loss = micro(x, y, first=k == 0, last=k == accum - 1)   # each kind's first call warms up and captures
     """
 
-    def __init__(self, model, autocast, loss_scale=1.0, warmup=3):
+    def __init__(self, model, autocast, loss_scale=1.0, warmup=3, grad_sync=None):
         self.model, self.autocast, self.loss_scale, self.warmup = model, autocast, loss_scale, warmup
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.graphs, self.losses = {}, {}   # first: bool -> CUDAGraph, its loss output
+        self.grad_sync = grad_sync
+        self.graphs, self.losses = {}, {}   # (first, last) -> CUDAGraph, its loss output (last: with grad_sync only)
         self.x = self.y = None
 
-    def _forward_backward(self):
+    def _forward_backward(self, first, last):
+        if self.grad_sync is not None:
+            if first:
+                self.grad_sync.zero_grad()
+            self.grad_sync.begin(last)
         with self.autocast:
             _, loss = self.model(self.x, self.y)
         (loss * self.loss_scale).backward()
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
         return loss.detach()
 
-    def _capture(self, first):
-        if not first and True not in self.graphs:
+    def _capture(self, kind):
+        first, last = kind
+        if not first and not any(f for f, _ in self.graphs):
             raise RuntimeError("GraphedMicrostep: the first microbatch of a step (first=True) must come first")
         saved = None if first else [p.grad.clone() for p in self.params]   # this step's gradients so far
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # compile, autotune and allocate outside the graph
             for _ in range(self.warmup):
-                self._forward_backward()
+                self._forward_backward(first, last)
         torch.cuda.current_stream().wait_stream(side)
-        if first:
+        if first and self.grad_sync is None:
             for p in self.params:   # unset: the captured backward allocates .grad in the graph's pool and writes it
                 p.grad = None
         graph = torch.cuda.CUDAGraph()
-        pool = self.graphs[True].pool() if not first else None
+        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
         try:
             with torch.cuda.graph(graph, pool=pool):
-                self.losses[first] = self._forward_backward()
+                self.losses[kind] = self._forward_backward(first, last)
         except Exception as e:   # e.g. an op that syncs with the host: undo this microbatch, say what failed
             for p, g in zip(self.params, saved or [None] * len(self.params)):
                 p.grad = g
+            if self.grad_sync is not None:   # the eager steps that follow average after the backward (sync_grads)
+                self.grad_sync.close()
             self.graphs.clear()
             self.losses.clear()
             raise GraphCaptureError(f"capturing the graph of the {'first microbatch' if first else 'later microbatches'} failed "
@@ -794,18 +922,19 @@ class GraphedMicrostep:
         if saved is not None:
             with torch.no_grad():   # the warm-up added extra gradients: restore this step's
                 torch._foreach_copy_([p.grad for p in self.params], saved)
-        self.graphs[first] = graph
+        self.graphs[kind] = graph
 
-    def __call__(self, x, y, first=True):
+    def __call__(self, x, y, first=True, last=True):
         if self.x is None:
             self.x, self.y = x.clone(), y.clone()   # the graphs' input buffers
         else:
             self.x.copy_(x, non_blocking=True)
             self.y.copy_(y, non_blocking=True)
-        if first not in self.graphs:
-            self._capture(first)
-        self.graphs[first].replay()
-        return self.losses[first]
+        kind = (first, last and self.grad_sync is not None)   # without grad_sync the last microbatch is like the others
+        if kind not in self.graphs:
+            self._capture(kind)
+        self.graphs[kind].replay()
+        return self.losses[kind]
 
 
 class StepLog:
@@ -921,6 +1050,7 @@ def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
         f" | cuda {torch.version.cuda} | {rt.world} x {device_name}")
     say(f"precision: compute {rt.compute} ({rt.why}), weights {cfg.param_dtype}")
     say(f"CUDA graphs: {'on' if rt.graphs else 'off'} ({rt.graphs_why})")
+    say(f"gradients: {grad_sync_plan(cfg, rt)[1]}")
     routed = mcfg.residual in ("attnres", "mhar", "delta")
     path = model.routing_path(rt.device, getattr(torch, rt.compute) if mcfg.residual != "delta" else torch.float32)
     say(f"model: residual={mcfg.residual} (" + (f"routing heads {mcfg.heads}, {path} routing, routing_impl={mcfg.routing_impl}"
@@ -984,7 +1114,9 @@ def main(argv):
              "tokenizer": data.meta["tokenizer"], "tokenizer_id": data.meta.get("tokenizer_id", data.meta["tokenizer"]),
              "git": git_revision()}
     log = StepLog(cfg, rt, raw_model, device_name if rt.device_type == "cuda" else None, step, saved_step)
-    graphed = GraphedMicrostep(model, rt.autocast, loss_scale=1 / data.accum) if rt.graphs else None
+    overlap = grad_sync_plan(cfg, rt)[0]
+    grad_sync = OverlappedGradSync(params, cfg.grad_bucket_mb) if overlap else None
+    graphed = GraphedMicrostep(model, rt.autocast, loss_scale=1 / data.accum, grad_sync=grad_sync) if rt.graphs else None
     wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     named = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
     stop = StopSignals()
@@ -1033,7 +1165,7 @@ def main(argv):
             x, y = to_device(data.train.train_batch(first, cfg.micro_batch), rt)
             if graphed is not None:
                 try:
-                    loss_sum += graphed(x, y, first=micro == 0).float()
+                    loss_sum += graphed(x, y, first=micro == 0, last=micro == data.accum - 1).float()
                     continue
                 except GraphCaptureError as e:   # this microbatch and the rest of the run go eager
                     rt.say(f"*** CUDA graphs off: {e}. The run continues with eager steps (--cuda_graph=False "
@@ -1046,8 +1178,8 @@ def main(argv):
                 _, loss = model(x, y)
                 (loss / data.accum).backward()
             loss_sum += loss.detach().float()
-        if rt.ddp and not (wrapped or cfg.fsdp):   # graphed steps: no DDP wrapper, the gradients averaged here
-            sync_grads(params, rt.world)
+        if rt.ddp and not (wrapped or cfg.fsdp or (graphed is not None and graphed.grad_sync is not None)):
+            sync_grads(params, rt.world)   # graphed steps (no DDP wrapper) average here, unless their graphs did
         if rt.ddp:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)   # the logged loss is the global-batch mean
         if cfg.grad_clip > 0:   # the norm is kept either way: StepLog stops the run on a non-finite one

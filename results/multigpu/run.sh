@@ -5,6 +5,13 @@
 #   EAGER=1 bash results/multigpu/run.sh ddp   # the same with --cuda_graph=False (eager steps, DDP's wrapper)
 #   bash results/multigpu/run.sh fsdp          # random Llama-3.1-8B -> delta form -> 20 FSDP2 steps, checkpoint
 #   bash results/multigpu/run.sh fsdp_resume   # ... resume that checkpoint to step 30
+#   bash results/multigpu/run.sh scaling       # the README's paper-scale commands (config/train_{100m,350m,1b}.py,
+#                                              # baseline and mhar), 200 steps on 1 GPU and on N at the same global
+#                                              # batch, then a repeat of each 1-GPU run (the noise floor): the table
+#   GRAD_SYNC=overlap bash results/multigpu/run.sh scaling   # the N-GPU runs again with --grad_sync=overlap
+#   bash results/multigpu/run.sh bench         # torchrun bench.py ddp: the all-reduce's share of the step, overlapped
+# SCALES="100m 1b" MODES=mhar AGAIN= pick a subset (AGAIN= skips the repeats); runs with a log in
+# results/multigpu/logs/scaling are skipped, so the work can be split over device calls (copy each call's logs back).
 # Logs go to $OUT (the device tool's output folder) or results/multigpu/logs/.
 set -eo pipefail
 N=${N:-$(nvidia-smi -L | wc -l)}
@@ -37,6 +44,49 @@ ddp)   # graphed steps (under torchrun: no DDP wrapper, gradients averaged after
   cp out/$many/log.jsonl "$DEST/$many.log.jsonl"
   python results/multigpu/compare.py out/$one/log.jsonl out/$many/log.jsonl $N | tee "$DEST/${many}_compare.txt"
   ;;
+scaling)   # each command on 1 GPU and on N, then the 1-GPU repeats; data: the offline books+Wikipedia text. The logs
+  # go to results/multigpu/logs/scaling (copied to $OUT/scaling as they finish): a run whose log is there is skipped
+  S=${STEPS:-200}
+  LOGS=results/multigpu/logs/scaling
+  mkdir -p $LOGS ${OUT:+$OUT/scaling}
+  run_one() {   # scale mode processes name-suffix
+    local name=$1_$2_$3gpu$4
+    if [ -f "$LOGS/$name.log.jsonl" ]; then echo "done already: $name"; return; fi
+    local args="config/train_$1.py --residual=$2 --data_dir=data/books_wiki --max_steps=$S --warmup_steps=50
+      --lr_decay_steps=$S --eval_interval=100 --eval_tokens=262144 --save=False --log_interval=1 --out_dir=out/$name"
+    rm -rf out/$name
+    echo "$(date +%T) $name"
+    local launch="python"
+    [ "$3" = 1 ] || launch="torchrun --standalone --nproc_per_node=$3"
+    if ! $launch train.py $args ${GRAD_SYNC:+--grad_sync=$GRAD_SYNC} > "$LOGS/$name.txt" 2>&1; then
+      [ -z "$OUT" ] || cp "$LOGS/$name.txt" "$OUT/scaling/"
+      tail -20 "$LOGS/$name.txt"
+      echo "run.sh: $name failed (its output: $LOGS/$name.txt)" >&2
+      exit 1
+    fi
+    cp out/$name/log.jsonl "$LOGS/$name.log.jsonl"
+    [ -z "$OUT" ] || cp "$LOGS/$name.txt" "$LOGS/$name.log.jsonl" "$OUT/scaling/"
+  }
+  for scale in ${SCALES:-100m 350m 1b}; do
+    for mode in ${MODES:-baseline mhar}; do
+      [ -z "$GRAD_SYNC" ] && run_one $scale $mode 1 ""   # GRAD_SYNC: the N-GPU runs only
+      run_one $scale $mode $N "${GRAD_SYNC:+_$GRAD_SYNC}"
+    done
+  done
+  if [ -z "$GRAD_SYNC" ] && [ -n "${AGAIN-1}" ]; then
+    for scale in ${SCALES:-100m 350m 1b}; do
+      for mode in ${MODES:-baseline mhar}; do
+        run_one $scale $mode 1 _again
+      done
+    done
+  fi
+  python results/multigpu/compare.py --table $LOGS $N | tee "$LOGS/table_${N}gpu.md"
+  [ -z "$OUT" ] || cp "$LOGS/table_${N}gpu.md" "$OUT/scaling/"
+  ;;
+bench)   # one process group: the step with no average, one all-reduce after the graphs, and overlapped
+  torchrun --standalone --nproc_per_node=$N bench.py ddp --scales=${BENCH_SCALES:-100m,350m,1b} \
+    --variants=baseline,mhar_fused --output="$DEST/bench_ddp_${N}gpu.json" 2>&1 | tee "$DEST/bench_ddp_${N}gpu.txt"
+  ;;
 fsdp)
   mkdir -p $W
   rm -rf $W/run
@@ -55,7 +105,7 @@ fsdp_resume)
   cp $W/run/log.jsonl "$DEST/fsdp.log.jsonl"
   ;;
 *)
-  echo "usage: bash results/multigpu/run.sh ddp | fsdp | fsdp_resume" >&2
+  echo "usage: bash results/multigpu/run.sh ddp | scaling | bench | fsdp | fsdp_resume" >&2
   exit 2
   ;;
 esac
