@@ -1331,6 +1331,8 @@ torch.manual_seed(0)
 cfg = GPTConfig(vocab_size=96, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64, block_size=16, residual=residual)
 models = [GPT(cfg), GPT(cfg)]
 models[1].load_state_dict(models[0].state_dict())
+for m in models:
+    m.checkpoint_sublayers = sys.argv[5] == "True"   # recomputed sublayers: each gradient still completes once
 ref_params, params = ([p for p in m.parameters() if p.requires_grad] for m in models)
 sync = train.OverlappedGradSync(params, bucket_mb)
 for step in range(3):   # the first step records the order, the others run the buckets
@@ -1355,15 +1357,18 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("residual,bucket_mb", [("mhar", 0.01), ("baseline", 25.0)])
-def test_overlapped_grad_sync_matches_one_all_reduce(tmp_path, residual, bucket_mb):
+@pytest.mark.parametrize("residual,bucket_mb,checkpointing", [("mhar", 0.01, False), ("baseline", 25.0, False),
+                                                              ("mhar", 0.01, True)])
+def test_overlapped_grad_sync_matches_one_all_reduce(tmp_path, residual, bucket_mb, checkpointing):
     """--grad_sync=overlap's reducer (2 CPU processes, gloo; eager, where the graphed step captures the same hooks):
     the gradients averaged bucket by bucket during the backward equal train.sync_grads' one all-reduce after it, every
-    bucket was launched by the backward's hooks, and every .grad is a view into the one buffer."""
+    bucket was launched by the backward's hooks, and every .grad is a view into the one buffer; also with many
+    buckets and with recomputed (checkpointed) sublayers."""
     worker = tmp_path / "worker.py"
     worker.write_text(OVERLAP_WORKER)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-                        HERE, residual, str(bucket_mb), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                        HERE, residual, str(bucket_mb), str(tmp_path), str(checkpointing)], capture_output=True,
+                       text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout + r.stderr
     lines = re.findall(r"step (\d) diff (\S+) buckets (\d+) launched (\d+) views (\w+)",
