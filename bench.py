@@ -769,6 +769,8 @@ def ddp_main(argv):
     p.add_argument("--compile", default="True", choices=("True", "False"), help="torch.compile each sublayer")
     p.add_argument("--cuda_graph", default="True", choices=("True", "False"), help="CUDA-graph microsteps (CUDA only)")
     p.add_argument("--vocab", type=int, default=PAPER_VOCAB, help="vocabulary of the synthetic tokens (paper: 151,936)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
+                   help="cuda: one GPU per process (NCCL); cpu: gloo")
     p.add_argument("--output", default="out/bench_ddp.json", help="results JSON (rank 0)")
     args = p.parse_args(argv)
     pick = lambda text: [v.strip() for v in text.split(",") if v.strip()]
@@ -780,7 +782,7 @@ def ddp_main(argv):
     if "RANK" not in os.environ:
         sys.exit("bench.py ddp: run it under torchrun, e.g. torchrun --standalone --nproc_per_node=8 bench.py ddp")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda"
     device = f"cuda:{local_rank}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
