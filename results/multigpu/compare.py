@@ -34,11 +34,11 @@ def label(path):
 
 
 def differences(a, b):
-    """(steps in common, |training loss difference| per step, last common eval step, its val-loss difference b - a)."""
+    """(steps in common, |training loss difference| per step, val-loss difference b - a at the last common eval)."""
     (ta, va, _), (tb, vb, _) = a, b
     steps = sorted(set(ta) & set(tb))
     last = max(set(va) & set(vb))
-    return steps, [abs(ta[s] - tb[s]) for s in steps], last, vb[last] - va[last]
+    return steps, [abs(ta[s] - tb[s]) for s in steps], vb[last] - va[last]
 
 
 def table(folder, n):
@@ -53,10 +53,10 @@ def table(folder, n):
         if gpus == "1" or one is None:
             continue
         a, b = load(one), load(path)
-        _, diffs, _, val = differences(a, b)
+        _, diffs, val = differences(a, b)
         again = runs.get((scale, mode, "1", "_again"))
         if again:
-            _, spread, _, val_again = differences(a, load(again))
+            _, spread, val_again = differences(a, load(again))
         noise = f"{max(spread):.4f} / {statistics.mean(spread):.4f}" if again else "-"
         lines.append(f"| {scale} | {mode} | {(extra or '_after')[1:]} | {a[2]:,.0f}, {b[2]:,.0f} | {b[2] / a[2]:.2f}x, "
                      f"{b[2] / (int(gpus) * a[2]):.1%} | {max(diffs):.4f} / {statistics.mean(diffs):.4f} | {noise} | "
@@ -66,7 +66,7 @@ def table(folder, n):
 
 def main(a, b, n=None):
     (ta, va, sa), (tb, vb, sb), la, lb = load(a), load(b), label(a), label(b)
-    steps, diffs, _, _ = differences((ta, va, sa), (tb, vb, sb))
+    steps, diffs, _ = differences((ta, va, sa), (tb, vb, sb))
     worst = max(range(len(steps)), key=lambda i: diffs[i])
     print(f"{la} vs {lb}: training loss, {len(steps)} common steps: max |diff| {diffs[worst]:.4f} at step "
           f"{steps[worst]} ({ta[steps[worst]]:.4f} vs {tb[steps[worst]]:.4f}), mean |diff| {statistics.mean(diffs):.4f}")
