@@ -2026,8 +2026,77 @@ def test_temperature_study_report_pairs_seeds(tmp_path):
     assert seeds == [0, 1, 2] and [round(x, 6) for x in d] == [0.1, 0.15, 0.05]
     assert abs(st["mean"] - 0.1) < 1e-9 and abs(st["se"] - 0.05 / math.sqrt(3)) < 1e-9 and st["t95"] == 4.303
     assert "| 100m | attnres_x0.5 - mhar | 0,1,2 |" in study.tables(rs)
+    # the s sweep: each config on the seeds all routed configs share (tail-5 = value + 0.2 here), its gap to MHAR
+    assert study.common_seeds(rs, "100m") == [0, 1, 2]
+    assert "| 100m | attnres | 0.5 | 3.3000 3.4000 3.2000 (seeds 0,1,2) | 3.3000 | +0.1000 +0.1500 +0.0500 |" in study.sweep(rs)
     study.plots(rs, str(tmp_path))   # the figures draw from the same runs (seed curves, means, the sweep)
     assert all(os.path.getsize(tmp_path / f) > 0 for f in ("curves_100m.png", "scale_sweep.png"))
+
+
+def test_temperature_study_driver(tmp_path, data_dir):
+    """results/temperature_study/run.sh end to end on the CPU, at a tiny shape and budget (EXTRA's flags come last, so
+    they override the configs'): every spec checked before any run, GPUS=2 workers sharing one list (each run made
+    once, a repeated spec too), the names and flags of each run, a second call skipping finished runs, refusals."""
+    work, bin_, logs = tmp_path / "w", tmp_path / "bin", tmp_path / "logs"
+    work.mkdir()
+    bin_.mkdir()
+    for f in ("train.py", "prepare_data.py", "config"):   # run.sh runs from the repository root: its layout, linked
+        os.symlink(os.path.join(HERE, f), work / f)
+    (bin_ / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')   # this test's Python, venv and all
+    (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: stub'\necho 'GPU 1: stub'\n")   # two GPUs to count
+    for f in ("python", "nvidia-smi"):
+        os.chmod(bin_ / f, 0o755)
+    tiny = [a for a in TRAIN_ARGS if not a.startswith(("--residual", "--warmup", "--lr_decay"))]
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", DATA=data_dir, LOGS=str(logs), OMP_NUM_THREADS="1",
+               EXTRA=" ".join(tiny + ["--max_steps=4", "--warmup_steps=1", "--lr_decay_steps=4", "--eval_interval=2"]))
+
+    def run_sh(*specs, **more):
+        return subprocess.run(["bash", os.path.join(HERE, "results", "temperature_study", "run.sh"), *specs], cwd=work,
+                              env=dict(env, **more), capture_output=True, text=True, timeout=600)
+
+    specs = ["100m:mhar:0", "100m:attnres:0:0.5", "124m:attnres:1", "100m:mhar:0"]
+    for bad, why in ((specs + ["100m:mhar:x"], "seed 'x' in '100m:mhar:x'"), (specs + ["200m:mhar:0"], "unknown shape"),
+                     (specs + ["100m:hyper:0"], "unknown mode"), (specs + ["100m:mhar:0:-1"], "positive number")):
+        r = run_sh(*bad)
+        assert r.returncode == 2 and why in r.stdout, (bad, r.stdout, r.stderr)
+    r = run_sh(*specs, GPUS="3")
+    assert r.returncode == 2 and "GPUS=3 but nvidia-smi lists 2 GPUs" in r.stdout
+    r = run_sh(*specs, BUDGET="paper", DATA=str(tmp_path / "fineweb"))
+    assert r.returncode == 2 and "prepare_data.py --max_tokens=2.7e9" in r.stdout
+    assert not logs.exists()   # nothing ran
+
+    r = run_sh(*specs, GPUS="2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = {"100m_mhar_s0": ("mhar", 0, 1.0), "100m_attnres_s0_x0.5": ("attnres", 0, 0.5),
+             "124m_attnres_s1": ("attnres", 1, 1.0)}
+    for name, (mode, seed, scale) in names.items():
+        assert len(re.findall(rf"^gpu [01]: {name}: done: step 4 ", r.stdout, re.M)) == 1, r.stdout
+        cfg = json.loads(next(line for line in open(logs / f"{name}.txt") if line.startswith("config: "))[8:])
+        assert (cfg["residual"], cfg["seed"], cfg["route_scale"], cfg["max_steps"]) == (mode, seed, scale, 4)
+        assert cfg["out_dir"] == f"out/study/{name}" and cfg["data_dir"] == data_dir
+    before = {f: (logs / f).read_bytes() for f in os.listdir(logs)}
+    r = run_sh(*specs)
+    assert r.returncode == 0 and r.stdout.count("done, skipped") == 4, r.stdout
+    assert {f: (logs / f).read_bytes() for f in os.listdir(logs)} == before   # nothing rewritten
+    spec = importlib.util.spec_from_file_location("study", os.path.join(HERE, "results", "temperature_study", "report.py"))
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    assert set(study.runs(str(logs))) == {("100m", "mhar", 0), ("100m", "attnres_x0.5", 0), ("124m", "attnres", 1)}
+    r = run_sh("100m:mhar:1", "100m:mhar:0", EXTRA=env["EXTRA"] + " --no_such_flag=1")   # a run that fails
+    assert r.returncode == 1 and "run.sh: 1 run(s) failed: 100m_mhar_s1" in r.stdout, r.stdout
+    assert not (logs / "100m_mhar_s1.log.jsonl").exists() and "no_such_flag" in (logs / "100m_mhar_s1.txt").read_text()
+    # BUDGET=paper: the paper's config files (their budget overridden here), checkpoints kept, a stopped run resumed
+    paper = dict(DATA=data_dir, BUDGET="paper", LOGS=str(tmp_path / "logs_paper"))
+    r = run_sh("124m:mhar:0", **paper, EXTRA=env["EXTRA"].replace("--max_steps=4", "--max_steps=2"))
+    assert r.returncode == 0 and (work / "out" / "study_paper" / "124m_mhar_s0" / "ckpt.pt").is_file(), r.stdout
+    os.remove(tmp_path / "logs_paper" / "124m_mhar_s0.log.jsonl")   # as if the call had stopped before copying it
+    r = run_sh("124m:mhar:0", **paper)                                # ... and the run is given 4 steps now
+    assert r.returncode == 0 and "124m_mhar_s0: resuming out/study_paper/124m_mhar_s0" in r.stdout, r.stdout
+    txt = (tmp_path / "logs_paper" / "124m_mhar_s0.txt").read_text()
+    assert "resumed from" in txt and txt.count("config: ") == 2   # both calls' output, kept
+    assert "run.sh: python train.py config/train_100m.py config/repro_124m.py --residual=mhar --seed=0 " in txt
+    assert "--out_dir=out/study_paper/124m_mhar_s0 --log_interval=10 --init_from=resume --n_layer=2 " in txt
+    assert study.runs(str(tmp_path / "logs_paper"))[("124m", "mhar", 0)]["last"] == 4
 
 
 def test_multigpu_scaling_table(tmp_path):

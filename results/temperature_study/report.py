@@ -1,13 +1,16 @@
 """
-The temperature study's report, from the logs in logs/ (NAME.log.jsonl, NAME = SHAPE_MODE_sSEED[_xSCALE]): per-run
-metrics, the pre-registered paired comparisons (README.md: fixed before the runs), plots.
+The temperature study's report, from run.sh's logs (NAME.log.jsonl, NAME = SHAPE_MODE_sSEED[_xSCALE]): per-run
+metrics, the pre-registered paired comparisons (README.md: fixed before the runs), the s sweep, plots.
 
-  python results/temperature_study/report.py        # prints the markdown tables; writes curves_SHAPE.png, scale_sweep.png
+  python results/temperature_study/report.py      # logs/: prints the markdown tables, writes curves_SHAPE.png and
+                                                  # scale_sweep.png here
+  python results/temperature_study/report.py results/temperature_study/logs_paper   # BUDGET=paper's runs; the
+                                                  # figures go into that folder (--fig_dir to choose)
 
-Metrics: tail-5 = the mean of the last 5 evals (steps 1600-2000; the primary metric), final = the last eval. A
-comparison A - B pairs the runs of one seed (same initialisation of the shared weights, same data order): per-seed
-deltas, their mean, standard error (sd / sqrt(n)), t = mean / SE with the two-sided 95% critical value of Student's
-t for n - 1 degrees of freedom, and how many seeds agree in sign.
+Metrics: tail-5 = the mean of the last 5 evals (the primary metric: steps 1600-2000 at the reduced budget, 18k-20k at
+the paper's), final = the last eval. A comparison A - B pairs the runs of one seed (same initialisation of the shared
+weights, same data order): per-seed deltas, their mean, standard error (sd / sqrt(n)), t = mean / SE with the
+two-sided 95% critical value of Student's t for n - 1 degrees of freedom, and how many seeds agree in sign.
 """
 import glob
 import math
@@ -75,9 +78,44 @@ def tables(rs):
     return "\n".join(lines)
 
 
+def scale_of(cfg):
+    return float(cfg.split("_x")[1]) if "_x" in cfg else 1.0
+
+
+def common_seeds(rs, shape):
+    """The seeds every routed config of a shape has: the s sweep compares its points on these only, so no point's
+    mean moves by which seeds it happens to have (seed-to-seed spread ~0.02 is larger than the sweep's steps)."""
+    sets = [{sd for (sh, c, sd) in rs if sh == shape and c == cfg}
+            for cfg in {c for (sh, c, _) in rs if sh == shape and c != "baseline"}]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def sweep(rs):
+    """The s sweep as a table: each routed config's tail-5 on the common seeds, its paired gap to MHAR at s = 1 on
+    the same seeds, and its mean +- SE over every seed it has (a description, not one of the planned comparisons)."""
+    lines = ["| shape | config | s | tail-5 per common seed | mean, common seeds | - MHAR s = 1, same seeds | "
+             "every seed: n, mean +- SE |", "|---|---|---|---|---|---|---|"]
+    for shape in sorted({k[0] for k in rs}):
+        seeds = common_seeds(rs, shape)
+        if not seeds:
+            continue
+        for cfg in sorted({c for (sh, c, _) in rs if sh == shape and c != "baseline"},
+                          key=lambda c: (c.split("_x")[0], -scale_of(c))):
+            ts = [rs[(shape, cfg, sd)]["tail"] for sd in seeds]
+            gap = (" ".join(f"{t - rs[(shape, 'mhar', sd)]['tail']:+.4f}" for t, sd in zip(ts, seeds))
+                   if cfg != "mhar" and all((shape, "mhar", sd) in rs for sd in seeds) else "-")
+            every = [r["tail"] for (sh, c, _), r in rs.items() if sh == shape and c == cfg]
+            se = f" +- {statistics.stdev(every) / math.sqrt(len(every)):.4f}" if len(every) > 1 else ""
+            lines.append(f"| {shape} | {cfg.split('_x')[0]} | {scale_of(cfg):g} | "
+                         f"{' '.join(f'{t:.4f}' for t in ts)} (seeds {','.join(map(str, seeds))}) | "
+                         f"{statistics.mean(ts):.4f} | {gap} | {len(every)}, {statistics.mean(every):.4f}{se} |")
+    return "\n".join(lines)
+
+
 def plots(rs, out_dir):
     """curves_SHAPE.png: validation loss and the paired gap to MHAR, one colour per config (thin: each seed, thick: the
-    mean over seeds); scale_sweep.png: tail-5 against route_scale (dots: seeds, bars: mean +- SE, n beside)."""
+    mean over seeds); scale_sweep.png: tail-5 against route_scale (a line through the means over the seeds every
+    routed config of the shape has, dots for every seed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -110,20 +148,21 @@ def plots(rs, out_dir):
         plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
     scales = set()
-    for shape, mode in sorted({(k[0], k[1].split("_x")[0]) for k in rs if k[1] != "baseline"}):
-        pts = {}
-        for (sh, cfg, seed), r in rs.items():
-            if sh == shape and cfg.split("_x")[0] == mode:
-                pts.setdefault(float(cfg.split("_x")[1]) if "_x" in cfg else 1.0, []).append(r["tail"])
-        xs = sorted(pts)
-        scales |= set(xs)
-        bar = ax.errorbar(xs, [statistics.mean(pts[x]) for x in xs], marker="o", capsize=3, label=f"{shape} {mode}",
-                          yerr=[statistics.stdev(pts[x]) / math.sqrt(len(pts[x])) if len(pts[x]) > 1 else 0 for x in xs])
-        for x in xs:
-            ax.plot([x] * len(pts[x]), pts[x], ".", color=bar[0].get_color(), alpha=0.35)
-            ax.annotate(f"n={len(pts[x])}", (x, statistics.mean(pts[x])), textcoords="offset points", xytext=(6, -3),
-                        fontsize=7)
-    ax.set(xscale="log", xlabel="route_scale s", ylabel="tail-5 validation loss (mean +- SE over seeds)")
+    for shape in sorted({k[0] for k in rs}):
+        seeds = common_seeds(rs, shape)
+        for mode in sorted({k[1].split("_x")[0] for k in rs if k[0] == shape and k[1] != "baseline"}):
+            pts = {}
+            for (sh, cfg, seed), r in rs.items():
+                if sh == shape and cfg.split("_x")[0] == mode:
+                    pts.setdefault(scale_of(cfg), {})[seed] = r["tail"]
+            xs = sorted(pts)
+            scales |= set(xs)
+            line = ax.plot(xs, [statistics.mean(pts[x][sd] for sd in seeds) for x in xs], marker="o",
+                           label=f"{shape} {mode}, mean of seeds {','.join(map(str, seeds))}")
+            for x in xs:
+                ax.plot([x] * len(pts[x]), list(pts[x].values()), ".", color=line[0].get_color(), alpha=0.35)
+    ax.set(xscale="log", xlabel="route_scale s", ylabel="tail-5 validation loss",
+           title="s sweep (line: the seeds every point has; dots: every seed)")
     ax.set_xticks(sorted(scales), [f"{x:g}" for x in sorted(scales)])
     ax.minorticks_off()
     ax.legend(fontsize=7)
@@ -132,8 +171,17 @@ def plots(rs, out_dir):
 
 
 if __name__ == "__main__":
-    rs = runs(os.path.join(HERE, "logs"))
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("log_dir", nargs="?", default=os.path.join(HERE, "logs"),
+                    help="run.sh's log folder (default: logs/, the reduced budget; BUDGET=paper writes logs_paper/)")
+    ap.add_argument("--fig_dir", help="where the figures go (default: this folder for logs/, else the log folder)")
+    args = ap.parse_args()
+    rs = runs(args.log_dir)
     if not rs:
-        raise SystemExit(f"no finished runs in {os.path.join(HERE, 'logs')}: bash results/temperature_study/run.sh ...")
+        raise SystemExit(f"no finished runs in {args.log_dir}: bash results/temperature_study/run.sh SPEC ...")
     print(tables(rs))
-    plots(rs, HERE)
+    print()
+    print(sweep(rs))
+    here = os.path.join(HERE, "logs")
+    plots(rs, args.fig_dir or (HERE if os.path.isdir(here) and os.path.samefile(args.log_dir, here) else args.log_dir))

@@ -1,37 +1,102 @@
 #!/bin/bash
-# Paired multi-seed runs on one GPU, resumable: bash results/temperature_study/run.sh SPEC [SPEC ...]
-#   SPEC = SHAPE:MODE:SEED[:SCALE]   SHAPE 100m | 124m | 350m: config/repro_100m.py's budget, at its own shape, at
-#   config/repro_124m.py's, or at config/train_350m.py's; MODE baseline | attnres | mhar, SCALE the route_scale (default 1)
+# Paired multi-seed runs, resumable: bash results/temperature_study/run.sh SPEC [SPEC ...]
+#   SPEC = SHAPE:MODE:SEED[:SCALE]   SHAPE 100m | 124m | 350m (d512 / L12, d768 / L12 as config/repro_124m.py,
+#   d1024 / L24), MODE baseline | attnres | mhar, SCALE the route_scale (default 1); NAME = SHAPE_MODE_sSEED[_xSCALE]
 #   e.g. bash results/temperature_study/run.sh 100m:attnres:0:0.5 100m:mhar:0 124m:attnres:2:0.5
-# A run whose log is already in the log folder is skipped (done); a run is written to out/study/NAME and its
-# log.jsonl copied to $LOGS (default results/temperature_study/logs/) only when it finished, so a stopped call
-# leaves no half log behind and the next call redoes that run. NAME = SHAPE_MODE_sSEED[_xSCALE].
+# BUDGET=reduced (default): config/repro_100m.py's 2,000 steps of 32 x 1024 tokens on the offline books+Wikipedia
+#   text (tokenized into data/books_wiki on first use, from $TEXT, default ../shared/data/text); logs in logs/.
+# BUDGET=paper: the paper's 20k steps (config/train_100m.py at 100M and 124M, config/train_350m.py at 350M, Table 1's
+#   recipe) on FineWeb-Edu in data/fineweb_edu (python prepare_data.py --max_tokens=2.7e9 --out_dir=data/fineweb_edu);
+#   logs in logs_paper/. Each run keeps its checkpoint and a stopped run resumes from it.
+# GPUS=8 runs 8 runs at once, one per GPU (CUDA_VISIBLE_DEVICES), each GPU taking the next spec not yet taken.
+# A run whose log is in the log folder ($LOGS) is skipped (done); its log.jsonl is copied there only when it finished.
+# EXTRA="--lr=5e-4" appends train.py arguments to every run (give such runs their own LOGS: the names do not show it).
+# SAVE=True keeps a reduced run's checkpoint in out/study/NAME (for eval.py); by default only the logs are kept.
 # Long lists can run in the background of a warm machine: nohup bash results/temperature_study/run.sh ... &
-# SAVE=True keeps each run's checkpoint in out/study/NAME (for eval.py); the default keeps only the logs.
 set -eo pipefail
-LOGS=${LOGS:-results/temperature_study/logs}
-SAVE=${SAVE:-False}
-mkdir -p "$LOGS"
-if [ ! -f data/books_wiki/meta.json ]; then   # tokenize once (~10 s on 16 cores)
-  SRC=${TEXT:-../shared/data/text}
-  python prepare_data.py --input=$SRC/books_wiki_en_train.jsonl.xz --val_input=$SRC/books_wiki_en_val.jsonl.xz \
-    --out_dir=data/books_wiki --workers=16
+BUDGET=${BUDGET:-reduced}
+GPUS=${GPUS:-1}
+case $BUDGET in
+  reduced) DATA=${DATA:-data/books_wiki}; LOGS=${LOGS:-results/temperature_study/logs}; RUNS=out/study
+           SAVE=${SAVE:-False} ;;
+  paper)   DATA=${DATA:-data/fineweb_edu}; LOGS=${LOGS:-results/temperature_study/logs_paper}; RUNS=out/study_paper
+           SAVE=True ;;
+  *) echo "run.sh: BUDGET=$BUDGET is not reduced or paper"; exit 2 ;;
+esac
+case $GPUS in ''|*[!0-9]*|0) echo "run.sh: GPUS=$GPUS is not a positive number of GPUs"; exit 2 ;; esac
+if [ "$GPUS" != 1 ] && command -v nvidia-smi > /dev/null; then
+  have=$(nvidia-smi -L | wc -l)
+  if [ "$GPUS" -gt "$have" ]; then echo "run.sh: GPUS=$GPUS but nvidia-smi lists $have GPUs: give GPUS=$have or fewer"; exit 2; fi
 fi
-for spec in "$@"; do
-  IFS=: read -r shape mode seed scale <<< "$spec"
+for spec in "$@"; do   # every spec is checked before the first run starts
+  IFS=: read -r shape mode seed scale rest <<< "$spec"
+  case $shape in 100m|124m|350m) ;; *) echo "run.sh: unknown shape '$shape' in '$spec' (100m | 124m | 350m)"; exit 2 ;; esac
+  case $mode in baseline|attnres|mhar) ;; *) echo "run.sh: unknown mode '$mode' in '$spec' (baseline | attnres | mhar)"; exit 2 ;; esac
+  case $seed in ''|*[!0-9]*) echo "run.sh: seed '$seed' in '$spec' is not a non-negative integer"; exit 2 ;; esac
+  if [ -n "$rest" ] || ! [[ ${scale:-1} =~ ^[0-9]*\.?[0-9]+$ ]]; then
+    echo "run.sh: '$spec' is not SHAPE:MODE:SEED[:SCALE] with a positive number as SCALE"; exit 2
+  fi
+done
+if [ ! -f "$DATA/meta.json" ]; then
+  if [ "$BUDGET" = paper ]; then
+    echo "run.sh: BUDGET=paper trains on FineWeb-Edu in $DATA, which is not prepared. Prepare it once (~2.7B tokens," \
+         "enough for 20k steps at 100M and 124M): python prepare_data.py --max_tokens=2.7e9 --out_dir=$DATA"; exit 2
+  fi
+  SRC=${TEXT:-../shared/data/text}   # tokenize once (~10 s on 16 cores)
+  python prepare_data.py --input=$SRC/books_wiki_en_train.jsonl.xz --val_input=$SRC/books_wiki_en_val.jsonl.xz \
+    --out_dir=$DATA --workers=16
+fi
+mkdir -p "$LOGS" "$RUNS"
+
+run_one() {   # SPEC: train it unless its log is in $LOGS
+  local shape mode seed scale cfg shape_args name start
+  IFS=: read -r shape mode seed scale <<< "$1"
   scale=${scale:-1}
-  case $shape in
-    100m) cfg=config/repro_100m.py; shape_args= ;;
-    124m) cfg="config/repro_100m.py config/repro_124m.py"; shape_args= ;;   # repro_124m.py: the shape alone
-    350m) cfg=config/repro_100m.py; shape_args="--n_layer=24 --n_head=16 --n_kv_head=8 --n_embd=1024 --ffn_hidden=4096" ;;
-    *) echo "run.sh: unknown shape '$shape' in '$spec' (100m | 124m | 350m)"; exit 2 ;;
+  case $BUDGET:$shape in
+    reduced:100m) cfg=config/repro_100m.py ;;
+    reduced:124m) cfg="config/repro_100m.py config/repro_124m.py" ;;   # repro_124m.py: the shape alone
+    reduced:350m) cfg=config/repro_100m.py
+                  shape_args="--n_layer=24 --n_head=16 --n_kv_head=8 --n_embd=1024 --ffn_hidden=4096" ;;
+    paper:100m)   cfg=config/train_100m.py ;;
+    paper:124m)   cfg="config/train_100m.py config/repro_124m.py" ;;
+    paper:350m)   cfg=config/train_350m.py ;;
   esac
   name=${shape}_${mode}_s${seed}
   if [ "$scale" != 1 ]; then name=${name}_x$scale; fi
-  if [ -f "$LOGS/$name.log.jsonl" ]; then echo "$name: done, skipped"; continue; fi
-  rm -rf out/study/$name
-  python train.py $cfg --residual=$mode --seed=$seed --route_scale=$scale $shape_args --save=$SAVE \
-    --out_dir=out/study/$name --log_interval=10 > "$LOGS/$name.txt" 2>&1 || { echo "$name: failed (see $LOGS/$name.txt)"; continue; }
-  cp out/study/$name/log.jsonl "$LOGS/$name.log.jsonl"
-  grep -E "^done" "$LOGS/$name.txt" | sed "s/^/$name: /"
-done
+  if [ -f "$LOGS/$name.log.jsonl" ]; then echo "$name: done, skipped"; return; fi
+  start=--init_from=scratch
+  if [ "$BUDGET" = paper ] && [ -f "$RUNS/$name/ckpt.pt" ]; then
+    start=--init_from=resume; echo "$name: resuming $RUNS/$name"
+  else
+    rm -rf "${RUNS:?}/$name"   # a reduced run, or one stopped before its first checkpoint, starts over
+    : > "$LOGS/$name.txt"
+  fi
+  local cmd="python train.py $cfg --residual=$mode --seed=$seed --route_scale=$scale $shape_args --data_dir=$DATA
+    --save=$SAVE --out_dir=$RUNS/$name --log_interval=10 $start $EXTRA"
+  echo "run.sh: "$cmd >> "$LOGS/$name.txt"   # the command, on one line, above its output
+  $cmd >> "$LOGS/$name.txt" 2>&1 || { echo "$name: failed (see $LOGS/$name.txt)"; echo "$name" >> "$failed"; return; }
+  cp "$RUNS/$name/log.jsonl" "$LOGS/$name.log.jsonl"
+  grep -E "^done" "$LOGS/$name.txt" | tail -1 | sed "s/^/$name: /" || true
+}
+
+failed=$(mktemp "$RUNS/.failed.XXXXXX")   # the names of the runs that failed, from every worker
+if [ "$GPUS" = 1 ]; then
+  for spec in "$@"; do run_one "$spec"; done
+else   # one worker per GPU; a spec is taken by the first worker to make its claim folder (mkdir is atomic)
+  claims=$(mktemp -d "$RUNS/.claims.XXXXXX")
+  for gpu in $(seq 0 $((GPUS - 1))); do
+    (export CUDA_VISIBLE_DEVICES=$gpu
+     for spec in "$@"; do
+       mkdir "$claims/${spec//[:.]/_}" 2> /dev/null || continue
+       run_one "$spec"
+     done) 2>&1 | sed -u "s/^/gpu $gpu: /" &
+  done
+  wait
+  rm -rf "$claims"
+fi
+if [ -s "$failed" ]; then
+  echo "run.sh: $(wc -l < "$failed") run(s) failed: $(tr '\n' ' ' < "$failed")(each one's .txt in $LOGS says why; the same" \
+       "command retries them and skips the finished)"
+  rm -f "$failed"; exit 1
+fi
+rm -f "$failed"
