@@ -2056,7 +2056,8 @@ def test_temperature_study_driver(tmp_path, data_dir):
 
     specs = ["100m:mhar:0", "100m:attnres:0:0.5", "124m:attnres:1", "100m:mhar:0"]
     for bad, why in ((specs + ["100m:mhar:x"], "seed 'x' in '100m:mhar:x'"), (specs + ["200m:mhar:0"], "unknown shape"),
-                     (specs + ["100m:hyper:0"], "unknown mode"), (specs + ["100m:mhar:0:-1"], "positive number")):
+                     (specs + ["100m:hyper:0"], "unknown mode"), (specs + ["100m:mhar:0:-1"], "positive number"),
+                     (specs + ["100m:mhar:0:0.0"], "positive number"), ([], "usage: ")):
         r = run_sh(*bad)
         assert r.returncode == 2 and why in r.stdout, (bad, r.stdout, r.stderr)
     r = run_sh(*specs, GPUS="3")

@@ -28,12 +28,13 @@ if [ "$GPUS" != 1 ] && command -v nvidia-smi > /dev/null; then
   have=$(nvidia-smi -L | wc -l)
   if [ "$GPUS" -gt "$have" ]; then echo "run.sh: GPUS=$GPUS but nvidia-smi lists $have GPUs: give GPUS=$have or fewer"; exit 2; fi
 fi
+if [ $# = 0 ]; then echo "usage: bash results/temperature_study/run.sh SHAPE:MODE:SEED[:SCALE] ... (see its head)"; exit 2; fi
 for spec in "$@"; do   # every spec is checked before the first run starts
   IFS=: read -r shape mode seed scale rest <<< "$spec"
   case $shape in 100m|124m|350m) ;; *) echo "run.sh: unknown shape '$shape' in '$spec' (100m | 124m | 350m)"; exit 2 ;; esac
   case $mode in baseline|attnres|mhar) ;; *) echo "run.sh: unknown mode '$mode' in '$spec' (baseline | attnres | mhar)"; exit 2 ;; esac
   case $seed in ''|*[!0-9]*) echo "run.sh: seed '$seed' in '$spec' is not a non-negative integer"; exit 2 ;; esac
-  if [ -n "$rest" ] || ! [[ ${scale:-1} =~ ^[0-9]*\.?[0-9]+$ ]]; then
+  if [ -n "$rest" ] || ! [[ ${scale:-1} =~ ^[0-9]*\.?[0-9]+$ && ${scale:-1} =~ [1-9] ]]; then
     echo "run.sh: '$spec' is not SHAPE:MODE:SEED[:SCALE] with a positive number as SCALE"; exit 2
   fi
 done
