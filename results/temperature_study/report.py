@@ -114,8 +114,8 @@ def sweep(rs):
 
 def plots(rs, out_dir):
     """curves_SHAPE.png: validation loss and the paired gap to MHAR, one colour per config (thin: each seed, thick: the
-    mean over seeds); scale_sweep.png: tail-5 against route_scale (a line through the means over the seeds every
-    routed config of the shape has, dots for every seed)."""
+    mean over seeds); scale_sweep.png: tail-5 against route_scale, the mean +- SE over each point's seeds (dots: the
+    seeds, n beside), and beside it the mean over the seeds every routed config of the shape has."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -146,26 +146,33 @@ def plots(rs, out_dir):
         gap.legend(fontsize=7)
         fig.savefig(os.path.join(out_dir, f"curves_{shape}.png"), dpi=120)
         plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    fig, (every, common) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained", sharey=True)
     scales = set()
     for shape in sorted({k[0] for k in rs}):
         seeds = common_seeds(rs, shape)
         for mode in sorted({k[1].split("_x")[0] for k in rs if k[0] == shape and k[1] != "baseline"}):
-            pts = {}
+            pts = {}   # scale -> {seed: tail-5}
             for (sh, cfg, seed), r in rs.items():
                 if sh == shape and cfg.split("_x")[0] == mode:
                     pts.setdefault(scale_of(cfg), {})[seed] = r["tail"]
             xs = sorted(pts)
             scales |= set(xs)
-            line = ax.plot(xs, [statistics.mean(pts[x][sd] for sd in seeds) for x in xs], marker="o",
-                           label=f"{shape} {mode}, mean of seeds {','.join(map(str, seeds))}")
-            for x in xs:
-                ax.plot([x] * len(pts[x]), list(pts[x].values()), ".", color=line[0].get_color(), alpha=0.35)
-    ax.set(xscale="log", xlabel="route_scale s", ylabel="tail-5 validation loss",
-           title="s sweep (line: the seeds every point has; dots: every seed)")
-    ax.set_xticks(sorted(scales), [f"{x:g}" for x in sorted(scales)])
-    ax.minorticks_off()
-    ax.legend(fontsize=7)
+            ys = [list(pts[x].values()) for x in xs]
+            bar = every.errorbar(xs, [statistics.mean(y) for y in ys], marker="o", capsize=3, label=f"{shape} {mode}",
+                                 yerr=[statistics.stdev(y) / math.sqrt(len(y)) if len(y) > 1 else 0 for y in ys])
+            for x, y in zip(xs, ys):
+                every.plot([x] * len(y), y, ".", color=bar[0].get_color(), alpha=0.35)
+                every.annotate(f"n={len(y)}", (x, statistics.mean(y)), textcoords="offset points", xytext=(6, -3),
+                               fontsize=7)
+            common.plot(xs, [statistics.mean(pts[x][sd] for sd in seeds) for x in xs], marker="o",
+                        color=bar[0].get_color(), label=f"{shape} {mode}, seeds {','.join(map(str, seeds))}")
+    every.set(ylabel="tail-5 validation loss", title="s sweep: mean +- SE over each point's seeds (the plan's)")
+    common.set(title="s sweep: mean over the seeds every routed config has (paired)")
+    for ax in (every, common):
+        ax.set(xscale="log", xlabel="route_scale s")
+        ax.set_xticks(sorted(scales), [f"{x:g}" for x in sorted(scales)])
+        ax.minorticks_off()
+        ax.legend(fontsize=7)
     fig.savefig(os.path.join(out_dir, "scale_sweep.png"), dpi=120)
     plt.close(fig)
 
