@@ -2031,6 +2031,13 @@ def test_temperature_study_report_pairs_seeds(tmp_path):
     assert "| 100m | attnres | 0.5 | 3.3000 3.4000 3.2000 (seeds 0,1,2) | 3.3000 | +0.1000 +0.1500 +0.0500 |" in study.sweep(rs)
     study.plots(rs, str(tmp_path))   # the figures draw from the same runs (seed curves, means, the sweep)
     assert all(os.path.getsize(tmp_path / f) > 0 for f in ("curves_100m.png", "scale_sweep.png"))
+    os.remove(tmp_path / "100m_mhar_s0.log.jsonl")
+    os.remove(tmp_path / "100m_attnres_s1_x0.5.log.jsonl")
+    os.remove(tmp_path / "100m_attnres_s2_x0.5.log.jsonl")   # no seed has both configs now
+    rs = study.runs(str(tmp_path))
+    assert study.common_seeds(rs, "100m") == [] and study.paired(rs, "100m", "attnres_x0.5", "mhar", "tail")[0] == []
+    study.plots(rs, str(tmp_path / "figs"))   # still draws (the paired panel empty), into a new folder
+    assert os.path.getsize(tmp_path / "figs" / "scale_sweep.png") > 0
 
 
 def test_temperature_study_driver(tmp_path, data_dir):

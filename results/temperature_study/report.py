@@ -112,6 +112,11 @@ def sweep(rs):
     return "\n".join(lines)
 
 
+def legend(ax):
+    if ax.get_legend_handles_labels()[0]:   # a panel with nothing drawn yet gets none
+        ax.legend(fontsize=7)
+
+
 def plots(rs, out_dir):
     """curves_SHAPE.png: validation loss and the paired gap to MHAR, one colour per config (thin: each seed, thick: the
     mean over seeds); scale_sweep.png: tail-5 against route_scale, the mean +- SE over each point's seeds (dots: the
@@ -119,6 +124,7 @@ def plots(rs, out_dir):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    os.makedirs(out_dir, exist_ok=True)
     configs = sorted({k[1] for k in rs})
     colour = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(configs)}
     for shape in sorted({k[0] for k in rs}):
@@ -142,8 +148,8 @@ def plots(rs, out_dir):
         ax.set(xlabel="step", ylabel="validation loss", title=f"{shape}: validation loss (thick: mean over seeds)")
         gap.axhline(0, color="k", lw=0.5)
         gap.set(xlabel="step", ylabel="loss - MHAR's (same seed)", title=f"{shape}: paired gap to MHAR")
-        ax.legend(fontsize=7)
-        gap.legend(fontsize=7)
+        legend(ax)
+        legend(gap)
         fig.savefig(os.path.join(out_dir, f"curves_{shape}.png"), dpi=120)
         plt.close(fig)
     fig, (every, common) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained", sharey=True)
@@ -164,15 +170,16 @@ def plots(rs, out_dir):
                 every.plot([x] * len(y), y, ".", color=bar[0].get_color(), alpha=0.35)
                 every.annotate(f"n={len(y)}", (x, statistics.mean(y)), textcoords="offset points", xytext=(6, -3),
                                fontsize=7)
-            common.plot(xs, [statistics.mean(pts[x][sd] for sd in seeds) for x in xs], marker="o",
-                        color=bar[0].get_color(), label=f"{shape} {mode}, seeds {','.join(map(str, seeds))}")
+            if seeds:   # none when no seed has every routed config of the shape yet
+                common.plot(xs, [statistics.mean(pts[x][sd] for sd in seeds) for x in xs], marker="o",
+                            color=bar[0].get_color(), label=f"{shape} {mode}, seeds {','.join(map(str, seeds))}")
     every.set(ylabel="tail-5 validation loss", title="s sweep: mean +- SE over each point's seeds (the plan's)")
     common.set(title="s sweep: mean over the seeds every routed config has (paired)")
     for ax in (every, common):
         ax.set(xscale="log", xlabel="route_scale s")
         ax.set_xticks(sorted(scales), [f"{x:g}" for x in sorted(scales)])
         ax.minorticks_off()
-        ax.legend(fontsize=7)
+        legend(ax)
     fig.savefig(os.path.join(out_dir, "scale_sweep.png"), dpi=120)
     plt.close(fig)
 
