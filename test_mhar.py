@@ -91,6 +91,14 @@ def data_dir(tmp_path_factory, corpus):
     return out
 
 
+def load_module(path):
+    """A Python file outside the import path (a results/ script, a harness task file) as a module."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_docs(path):
     with lzma.open(path, "rt") as f:
         return [json.loads(line)["text"] for line in f if line.strip()]
@@ -1910,9 +1918,7 @@ def test_harness_offline_tasks_and_lambada_agree_with_ours(eval_ckpt, eval_root,
     theirs = res["lambada_openai_local"]
     assert theirs["n"] == ours["n"] == 3 and theirs["acc"] == ours["acc"]
     assert abs(math.log(theirs["perplexity"]) - ours["nll"]) < 1e-6 * max(1.0, ours["nll"])
-    spec = importlib.util.spec_from_file_location("offline", os.path.join(evaluate.HARNESS_TASKS, "offline.py"))
-    offline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(offline)
+    offline = load_module(os.path.join(evaluate.HARNESS_TASKS, "offline.py"))
     pages = offline.wikitext_pages(" = A = \n x \n = = B = = \n y \n = C = \n z \n")
     assert pages == [" = A = \n x \n = = B = = \n y \n", " = C = \n z \n"]
 
@@ -2012,9 +2018,7 @@ def test_bench_generate_smoke(tmp_path):
 def test_temperature_study_report_pairs_seeds(tmp_path):
     """results/temperature_study/report.py: runs parsed from their names, paired per-seed deltas, mean, SE and t
     (here on three hand-made logs per config: a test of the arithmetic, not a result)."""
-    spec = importlib.util.spec_from_file_location("study", os.path.join(HERE, "results", "temperature_study", "report.py"))
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
     for seed, (a, b) in enumerate([(3.10, 3.00), (3.20, 3.05), (3.00, 2.95)]):
         for name, v in ((f"attnres_s{seed}_x0.5", a), (f"mhar_s{seed}", b)):   # run.sh's names
             with open(tmp_path / f"100m_{name}.log.jsonl", "w") as f:
@@ -2086,9 +2090,7 @@ def test_temperature_study_driver(tmp_path, data_dir):
     r = run_sh(*specs)
     assert r.returncode == 0 and r.stdout.count("done, skipped") == 4, r.stdout
     assert {f: (logs / f).read_bytes() for f in os.listdir(logs)} == before   # nothing rewritten
-    spec = importlib.util.spec_from_file_location("study", os.path.join(HERE, "results", "temperature_study", "report.py"))
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
     assert set(study.runs(str(logs))) == {("100m", "mhar", 0), ("100m", "attnres_x0.5", 0), ("124m", "attnres", 1)}
     r = run_sh("100m:mhar:1", "100m:mhar:0", EXTRA=env["EXTRA"] + " --no_such_flag=1")   # a run that fails
     assert r.returncode == 1 and "run.sh: 1 run(s) failed: 100m_mhar_s1" in r.stdout, r.stdout
