@@ -2029,7 +2029,10 @@ def test_temperature_study_report_pairs_seeds(tmp_path):
     seeds, d, st = study.paired(rs, "100m", "attnres_x0.5", "mhar", "tail")
     assert seeds == [0, 1, 2] and [round(x, 6) for x in d] == [0.1, 0.15, 0.05]
     assert abs(st["mean"] - 0.1) < 1e-9 and abs(st["se"] - 0.05 / math.sqrt(3)) < 1e-9 and st["t95"] == 4.303
-    assert "| 100m | attnres_x0.5 - mhar | 0,1,2 |" in study.tables(rs)
+    assert "| 100m | attnres_x0.5 - mhar | 0,1,2 |" in study.tables(rs) and "added after" not in study.tables(rs)
+    study.ADDED = [("100m", "mhar", "attnres_x0.5")]   # a comparison added after the runs: printed apart, below the plan's
+    planned, added = study.tables(rs).split("Comparisons, added after the runs")
+    assert "| 100m | mhar - attnres_x0.5 | 0,1,2 | -0.1000 -0.1500 -0.0500 |" in added and "mhar - attnres" not in planned
     # the s sweep: each config on the seeds all routed configs share (tail-5 = value + 0.2 here), its gap to MHAR
     assert study.common_seeds(rs, "100m") == [0, 1, 2]
     assert "| 100m | attnres | 0.5 | 3.3000 3.4000 3.2000 (seeds 0,1,2) | 3.3000 | +0.1000 +0.1500 +0.0500 |" in study.sweep(rs)

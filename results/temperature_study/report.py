@@ -31,6 +31,8 @@ PLAN = [("100m", "attnres_x0.5", "mhar"),       # the decisive one: single head 
         ("100m", "mhar", "baseline"), ("100m", "attnres", "baseline"), ("100m", "attnres_x0.5", "baseline"),
         ("124m", "attnres_x0.5", "mhar"), ("124m", "attnres", "mhar"), ("124m", "attnres", "attnres_x0.5"),
         ("350m", "attnres_x0.354", "mhar"), ("350m", "attnres", "mhar"), ("350m", "attnres", "attnres_x0.354")]
+# comparisons added after the planned runs were seen: printed apart, as descriptions (their t is shown, not tested)
+ADDED = [("124m", "mhar", "baseline"), ("124m", "attnres", "baseline"), ("124m", "attnres_x0.5", "baseline")]
 
 
 def load(path):
@@ -64,18 +66,25 @@ def tables(rs):
     lines = ["| shape | config | seed | steps | final | tail-5 |", "|---|---|---|---|---|---|"]
     for (shape, cfg, seed), r in sorted(rs.items()):
         lines.append(f"| {shape} | {cfg} | {seed} | {r['last']} | {r['final']:.4f} | {r['tail']:.4f} |")
-    lines += ["", "| shape | A - B | seeds | per-seed deltas, tail-5 | mean +- SE, tail-5 | \\|mean\\| / SE (95%: >) | "
-              "same sign | mean +- SE, final |", "|---|---|---|---|---|---|---|---|"]
-    for shape, a, b in PLAN:
-        seeds, d, st = paired(rs, shape, a, b, "tail")
-        if not seeds:
-            continue
-        _, _, fin = paired(rs, shape, a, b, "final")
-        same = max(sum(x > 0 for x in d), sum(x < 0 for x in d))
-        lines.append(f"| {shape} | {a} - {b} | {','.join(map(str, seeds))} | {' '.join(f'{x:+.4f}' for x in d)} | "
-                     + (f"{st['mean']:+.4f} +- {st['se']:.4f} | {abs(st['t']):.2f} ({st['t95']:.2f}) | {same}/{len(d)} | "
-                        f"{fin['mean']:+.4f} +- {fin['se']:.4f} |" if st else "- | - | - | - |"))
+    for title, pairs in (("planned", PLAN), ("added after the runs: descriptions, no test", ADDED)):
+        rows = [pair_row(rs, *p) for p in pairs]
+        if any(rows):
+            lines += ["", f"Comparisons, {title}:", "",
+                      "| shape | A - B | seeds | per-seed deltas, tail-5 | mean +- SE, tail-5 | \\|mean\\| / SE (95%: >) | "
+                      "same sign | mean +- SE, final |", "|---|---|---|---|---|---|---|---|"] + [r for r in rows if r]
     return "\n".join(lines)
+
+
+def pair_row(rs, shape, a, b):
+    """One comparison's table row, or None when no seed has both configs."""
+    seeds, d, st = paired(rs, shape, a, b, "tail")
+    if not seeds:
+        return None
+    _, _, fin = paired(rs, shape, a, b, "final")
+    same = max(sum(x > 0 for x in d), sum(x < 0 for x in d))
+    return (f"| {shape} | {a} - {b} | {','.join(map(str, seeds))} | {' '.join(f'{x:+.4f}' for x in d)} | "
+            + (f"{st['mean']:+.4f} +- {st['se']:.4f} | {abs(st['t']):.2f} ({st['t95']:.2f}) | {same}/{len(d)} | "
+               f"{fin['mean']:+.4f} +- {fin['se']:.4f} |" if st else "- | - | - | - |"))
 
 
 def scale_of(cfg):
