@@ -28,11 +28,10 @@ mv $run $run.resumed
 LOGS=$OUT/straight bash results/temperature_study/run.sh 100m:mhar:0 > "$OUT/call4.txt" 2>&1; say "uninterrupted rc=$?"
 rm -rf $run $run.resumed
 python - "$OUT" <<'PY' | tee -a "$OUT/progress.txt"
-import json, sys
-def evals(folder):
-    recs = [json.loads(line) for line in open(f"{sys.argv[1]}/{folder}/100m_mhar_s0.log.jsonl") if line.strip()]
-    return {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}   # a resumed step's last record wins
-a, b = evals("resumed"), evals("straight")
+import sys
+sys.path.insert(0, "results/temperature_study")
+from report import load   # the study's reader: a resumed step's last record wins
+a, b = (load(f"{sys.argv[1]}/{folder}/100m_mhar_s0.log.jsonl")["evals"] for folder in ("resumed", "straight"))
 for step in sorted(a):
     print(f"step {step}: val_loss resumed {a[step]:.4f}, uninterrupted {b[step]:.4f}, diff {a[step] - b[step]:+.4f}")
 PY
