@@ -6,7 +6,7 @@ every residual variant at the paper's scales, in the layout of paper Tables 4 / 
 baseline, memory in GB). Synthetic tokens over the paper's vocabulary (151,936, Qwen3), bf16 autocast, fp32
 master weights, fused AdamW step and gradient clipping included, one microbatch per step (the paper's per-GPU
 microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024), its forward and backward replayed as a CUDA graph on a GPU
-(train.GraphedMicrostep; --cuda_graph=False launches every kernel from Python, as the eager step does).
+(graphs.GraphedMicrostep; --cuda_graph=False launches every kernel from Python, as the eager step does).
 
   python bench.py                                                   # 100m, 350m, 1b: every variant, one GPU
   python bench.py --scales=100m --variants=baseline,mhar_fused --steps=40 --profile
@@ -35,6 +35,7 @@ the gradients averaged three ways (none, after the graphs, overlapped with the b
 the step and what overlapping it buys. See `python bench.py ddp -h`.
 """
 import argparse
+import functools
 import gc
 import json
 import math
@@ -47,6 +48,7 @@ from dataclasses import fields, replace
 import torch
 import torch.distributed as dist
 
+import graphs
 import routing_kernel as rk
 import train
 from model import GPT, GPTConfig, route_reference
@@ -103,7 +105,7 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
               accum=1, grad_sync=None, bucket_mb=25.0):
     """One variant's step timed (see the docstring). Under torchrun (bench.py ddp) a step is accum microbatches and
     grad_sync says how the processes average the gradients: None (they do not: the step without communication),
-    "after" (train.sync_grads after the graphs, train.py's default) or "overlap" (train.OverlappedGradSync); the
+    "after" (graphs.sync_grads after the graphs, train.py's default) or "overlap" (graphs.OverlappedGradSync); the
     step time is the slowest process's."""
     cuda = device.startswith("cuda")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -121,8 +123,11 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    overlap = train.OverlappedGradSync(params, bucket_mb) if grad_sync == "overlap" else None
-    graphed = train.GraphedMicrostep(model, autocast, loss_scale=1 / accum, grad_sync=overlap) if cuda_graph and cuda else None
+    overlap = graphs.OverlappedGradSync(params, bucket_mb) if grad_sync == "overlap" else None
+    graphed = graphs.GraphedMicrostep(model, autocast, loss_scale=1 / accum, grad_sync=overlap) if cuda_graph and cuda else None
+    # eager steps zero their gradients (into the overlap's buffer, where they are its views); graphed ones overwrite
+    zero_grad = None if graphed is not None else overlap.zero_grad if overlap is not None else \
+        functools.partial(opt.zero_grad, set_to_none=True)
 
     def step():   # no host sync inside: the loss stays on the device
         for k in range(accum):
@@ -136,12 +141,7 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
             (loss / accum).backward()
             if overlap is not None:
                 overlap.finish()
-        if grad_sync == "after":
-            train.sync_grads(params, world)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if graphed is None:   # the graph's first microbatch overwrites (or zeroes) its own .grad tensors
-            overlap.zero_grad() if overlap is not None else opt.zero_grad(set_to_none=True)
+        train.optimizer_step(opt, params, 1.0, world=world if grad_sync == "after" else None, zero_grad=zero_grad)
         return loss
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -174,7 +174,7 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     if grad_sync == "after":   # the all-reduce alone, on gradients of the step's shapes
         for p in params:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad   # eager steps leave them unset
-        row["allreduce_ms"] = 1e3 * median_time(lambda: train.sync_grads(params, world), sync, steps)
+        row["allreduce_ms"] = 1e3 * median_time(lambda: graphs.sync_grads(params, world), sync, steps)
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile
         os.makedirs(profile_dir, exist_ok=True)
@@ -195,7 +195,7 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
         row["trace"] = path + ".json"
         if cuda:   # kernel time per step against the step's wall time: below it, the host is the bottleneck
             row["gpu_busy_ms"] = sum(e.self_device_time_total for e in events) / 1e3 / 3
-    del model, opt, graphed, step, loss, params, overlap
+    del model, opt, graphed, step, loss, params, overlap, zero_grad
     if cuda:   # the step closure, the graph wrapper and the compiled modules hold each other: free them now, or
         gc.collect()   # the next run's peak counts this run's weights, gradients and graph pool
         torch.cuda.empty_cache()
@@ -430,17 +430,8 @@ def _peak_gb(step):
 
 
 def graphed(step):
-    """step captured as one CUDA graph (after two warm-up calls on a side stream); returns the replay function."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+    """step captured as one CUDA graph (graphs.capture: two warm-up calls on a side stream); returns the replay."""
+    return graphs.capture(step)[0].replay
 
 
 def time_chain(impl, N, B, T, d, H, device, ref_compiled=None, graph=False, config=None):

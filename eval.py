@@ -39,9 +39,9 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from checkpoint import read_log
 from model import GPT, route_reference
 from prepare_data import TokenData, checkpoint_tokenizer
-from train import read_log
 
 TASKS = ("wikitext2", "lambada", "hellaswag")
 LOCAL = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "lambada": "lambada/lambada_test.jsonl",

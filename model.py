@@ -7,9 +7,9 @@ s_0..s_{j-1} with logit[n, h] = < q[h], g[h] * RMSNorm(s_n)[h] >, alpha[:, h] = 
 out[h] = sum_n alpha[n, h] * s_n[h], over H heads (contiguous channel slices of width d/H).
 H = 1 is attention residuals (Kimi, arXiv 2603.15031; paper Eq. 2, Appendix B); H > 1 reshapes the same query.
 
-Where things live: GPTConfig -> RMSNorm / RoPE / Attention / MLP -> KVCache, then DecodeGraph (generation's fenced
-optimisation) -> route_reference, Route and the depth history (the new idea) -> HyperConnection (the comparison) ->
-Block -> GPT (forward for every mode, optimizer, generation, MFU, checkpoint loading).
+In the paper's order: GPTConfig -> the blocks (RMSNorm, RoPE, Attention, MLP) -> the routing (route_reference, Route,
+the depth histories: the new idea) -> HyperConnection (the comparison) -> GPT (forward for every mode, optimizer,
+generation, MFU, checkpoint loading) -> KVCache (generation's state) last.
 """
 import functools
 import math
@@ -20,6 +20,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from checkpoint import read_checkpoint
+from graphs import DecodeGraph
 
 RESIDUAL_MODES = ("baseline", "hyper", "attnres", "mhar", "delta")
 ROUTING_IMPLS = ("auto", "fused", "reference")
@@ -191,108 +194,11 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-class KVCache:
-    """Keys and values of every attention layer for generation: (B, n_kv_head, max_len, head_dim) per layer, filled
-    left to right. It is the only state generation needs in any residual mode: routing (and hyper-connections, and
-    delta mode) mix each token's own depth history, the outputs of earlier sublayers at the same position, so a new
-    token computes its whole history itself; only attention reads other positions.
-
-        cache = KVCache(model, batch=B, max_len=model.cfg.block_size)
-        logits, _ = model(prompt, cache=cache)      # positions 0 .. T-1
-        logits, _ = model(next_token, cache=cache)  # position T, and so on"""
-
-    def __init__(self, model, batch, max_len=None, device=None, dtype=None):
-        cfg, w = model.cfg, model.wte.weight
-        self.max_len = max_len or cfg.block_size
-        if self.max_len > cfg.block_size:
-            raise ValueError(f"KVCache max_len={self.max_len} exceeds block_size={cfg.block_size} (the RoPE tables)")
-        shape = (batch, cfg.n_kv_head, self.max_len, cfg.hd)
-        self.k = [torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros_like(t) for t in self.k]
-        self.pos, self.layer = 0, 0   # tokens cached; the next attention layer in this forward
-        self.step_pos = None          # DecodeGraph's one-token steps: the position as a (1,) device tensor
-
-    def extend(self, k, v):
-        """Append one layer's new (B, kv, T, hd) keys and values: all its keys and values so far, and the mask of
-        the new queries (None when the plain causal mask, or no mask, is right)."""
-        T, i = k.size(2), self.layer
-        if self.step_pos is not None:   # fixed shapes, the position on the device: a CUDA graph can replay it
-            self.layer += 1
-            self.k[i].index_copy_(2, self.step_pos, k)
-            self.v[i].index_copy_(2, self.step_pos, v)
-            seen = (torch.arange(self.max_len, device=k.device) <= self.step_pos)[None]   # (1, max_len): up to here
-            return self.k[i].to(k.dtype), self.v[i].to(v.dtype), seen
-        if self.pos + T > self.max_len:
-            raise ValueError(f"KVCache full: {self.pos} + {T} tokens > max_len={self.max_len}")
-        self.k[i][:, :, self.pos:self.pos + T] = k
-        self.v[i][:, :, self.pos:self.pos + T] = v
-        self.layer += 1
-        end = self.pos + T
-        mask = None
-        if T > 1 and self.pos > 0:   # a chunk after cached tokens: query t sees positions <= pos + t
-            mask = torch.ones(T, end, dtype=torch.bool, device=k.device).tril(self.pos)
-        return self.k[i][:, :, :end].to(k.dtype), self.v[i][:, :, :end].to(v.dtype), mask
-
-    def advance(self, T):
-        """After a forward over T new tokens: they are cached."""
-        self.pos, self.layer = self.pos + T, 0
-
-
-# Generation speed, fenced: one CUDA graph per decode step. A one-token forward is a few hundred small kernels
-# launched from Python; on a GPU the host's launch time, not the kernels, sets the pace of eager decoding. The step
-# below has fixed shapes and addresses (the position lives on the device, attention reads the whole cache under a
-# mask), so it is recorded once per generate call and replayed for every new token.
-
-class DecodeGraph:
-    """One-token steps over a KVCache: step(token (B, 1)) -> logits (B, 1, vocab), cache.pos advanced. capture()
-    records the step as a CUDA graph; built directly (graph None) it runs the same step eagerly (tests)."""
-    MIN_TOKENS = 16   # generate graphs only this many new tokens or more: the capture costs a few eager steps
-
-    def __init__(self, model, cache, token):
-        self.model, self.cache, self.graph, self.logits = model, cache, None, None
-        self.token = token.clone()                                   # the step's input, (B, 1)
-        self.pos = torch.zeros(1, dtype=torch.long, device=token.device)   # its position, on the device
-
-    def _forward(self):
-        self.cache.step_pos = self.pos
-        try:
-            return self.model(self.token, cache=self.cache)[0]
-        finally:
-            self.cache.step_pos = None
-
-    def __call__(self, token):
-        self.token.copy_(token)
-        self.pos.fill_(self.cache.pos)
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        self.cache.pos += 1
-        return self.logits
-
-    @classmethod
-    def capture(cls, model, cache, token):
-        """The graphed step at cache.pos, or False where capture fails (one line says why; generate steps eagerly).
-        The warm-up steps write token's keys and values at cache.pos, as the first replay will again."""
-        step, pos = cls(model, cache, token), cache.pos
-        try:
-            step.pos.fill_(pos)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):   # compile these shapes' kernels and settle the allocator first
-                for _ in range(2):
-                    cache.pos = pos
-                    step._forward()
-            torch.cuda.current_stream().wait_stream(side)
-            graph, cache.pos = torch.cuda.CUDAGraph(), pos
-            with torch.cuda.graph(graph):
-                step.logits = step._forward()
-            step.graph = graph
-        except Exception as e:   # an op that cannot be captured: eager decoding still works
-            GPT._say(f"*** generate: the decode step could not be captured as a CUDA graph ({type(e).__name__}: "
-                     f"{e}); decoding eagerly (pass cuda_graph=False to silence this) ***")
-            step = False
-        cache.pos = pos
-        return step
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
 
 
 # -----------------------------------------------------------------------------
@@ -393,7 +299,7 @@ class HyperConnection(nn.Module):
             self.w_alpha = nn.Parameter(torch.zeros(d, 1 + n))
             self.w_beta = nn.Parameter(torch.zeros(d))
             self.s_alpha = nn.Parameter(torch.full((1,), 0.01))   # shape (1,), not a 0-dim scalar: FSDP2 shards
-            self.s_beta = nn.Parameter(torch.full((1,), 0.01))    # no 0-dim parameters (see upgrade_state)
+            self.s_beta = nn.Parameter(torch.full((1,), 0.01))    # no 0-dim parameters
 
     def forward(self, streams, sublayer, cos, sin):
         # streams: (B, T, n, d). Elementwise products and sums (not einsum/matmul) keep the streams in
@@ -415,15 +321,6 @@ class HyperConnection(nn.Module):
         """The new streams: mixed by a, plus the sublayer output y weighted by b."""
         mixed = (a[..., 1:, None] * streams.unsqueeze(-2)).sum(-3)         # sum_n A[n, m] H_n -> (B, T, n, d)
         return (mixed + b[..., None] * y.unsqueeze(-2)).to(streams.dtype)
-
-
-# -----------------------------------------------------------------------------
-
-class Block(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.attn = Attention(cfg)
-        self.mlp = MLP(cfg)
 
 
 class GPT(nn.Module):
@@ -698,7 +595,7 @@ class GPT(nn.Module):
                 fed = idx.size(1)
             elif cuda_graph and step is not False:
                 if step is None:
-                    step = DecodeGraph.capture(self, cache, idx[:, -1:])
+                    step = DecodeGraph.capture(self, cache, idx[:, -1:], say=self._say)
                 logits = step(idx[:, -1:]) if step else self(idx[:, -1:], cache=cache)[0]
                 fed = idx.size(1)
             else:
@@ -724,7 +621,7 @@ class GPT(nn.Module):
         dtype kept): built on the meta device, so nothing is initialised twice (an 8B model loads in seconds)."""
         with torch.device("meta"):
             model = cls(cfg)
-        missing, unexpected = model.load_state_dict(upgrade_state(state), assign=True, strict=False)
+        missing, unexpected = model.load_state_dict(state, assign=True, strict=False)
         missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"state dict does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
@@ -748,32 +645,6 @@ class GPT(nn.Module):
         return model.to(device)
 
 
-def previous_checkpoint(path):
-    """Where train.py keeps the checkpoint before `path` (out_dir/ckpt.pt -> out_dir/ckpt.prev.pt)."""
-    root, ext = os.path.splitext(path)
-    return root + ".prev" + ext
-
-
-def read_checkpoint(path):
-    """torch.load of a checkpoint (memory-mapped: tensors are read when used), or a ValueError naming the file, what
-    is wrong with it and what to do (torch's own message for a truncated or foreign file points elsewhere)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:
-        import zipfile
-        size = os.path.getsize(path) if os.path.isfile(path) else None
-        if size == 0:
-            what = "is empty"
-        elif size and not zipfile.is_zipfile(path):
-            what = "is not a torch.save archive (truncated, or not a checkpoint)"
-        else:
-            what = f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        prev = previous_checkpoint(path)
-        hint = (f"; the checkpoint before it, {prev}, may be intact: pass that file, or move {path} aside"
-                if os.path.isfile(prev) else "; rerun the training that wrote it")
-        raise ValueError(f"checkpoint {path} {what}{hint}") from e
-
-
 PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrings of the device name
     "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12,
     "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12,
@@ -788,12 +659,51 @@ def peak_flops(device_name):
     return None
 
 
-def upgrade_state(state):
-    """A state dict (model, EMA, or an optimizer's per-parameter states) with the scalar parameters of older
-    checkpoints, 0-dim tensors, reshaped to (1,): the delta gate alpha and the hyper-connection scales s_alpha,
-    s_beta are (1,) since FSDP2 refused 0-dim parameters. AdamW's moments of those parameters were 0-dim too
-    (no other parameter is). The tensors are viewed, not copied."""
-    def fix(name, t):
-        scalar = name.endswith((".alpha", ".s_alpha", ".s_beta", "exp_avg", "exp_avg_sq"))
-        return t.reshape(1) if scalar and isinstance(t, torch.Tensor) and t.dim() == 0 else t
-    return {k: upgrade_state(v) if isinstance(v, dict) else fix(str(k), v) for k, v in state.items()}
+# -----------------------------------------------------------------------------
+# Generation: the KV cache (graphs.DecodeGraph replays its one-token steps as CUDA graphs)
+
+class KVCache:
+    """Keys and values of every attention layer for generation: (B, n_kv_head, max_len, head_dim) per layer, filled
+    left to right. It is the only state generation needs in any residual mode: routing (and hyper-connections, and
+    delta mode) mix each token's own depth history, the outputs of earlier sublayers at the same position, so a new
+    token computes its whole history itself; only attention reads other positions.
+
+        cache = KVCache(model, batch=B, max_len=model.cfg.block_size)
+        logits, _ = model(prompt, cache=cache)      # positions 0 .. T-1
+        logits, _ = model(next_token, cache=cache)  # position T, and so on"""
+
+    def __init__(self, model, batch, max_len=None, device=None, dtype=None):
+        cfg, w = model.cfg, model.wte.weight
+        self.max_len = max_len or cfg.block_size
+        if self.max_len > cfg.block_size:
+            raise ValueError(f"KVCache max_len={self.max_len} exceeds block_size={cfg.block_size} (the RoPE tables)")
+        shape = (batch, cfg.n_kv_head, self.max_len, cfg.hd)
+        self.k = [torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros_like(t) for t in self.k]
+        self.pos, self.layer = 0, 0   # tokens cached; the next attention layer in this forward
+        self.step_pos = None          # DecodeGraph's one-token steps: the position as a (1,) device tensor
+
+    def extend(self, k, v):
+        """Append one layer's new (B, kv, T, hd) keys and values: all its keys and values so far, and the mask of
+        the new queries (None when the plain causal mask, or no mask, is right)."""
+        T, i = k.size(2), self.layer
+        if self.step_pos is not None:   # fixed shapes, the position on the device: a CUDA graph can replay it
+            self.layer += 1
+            self.k[i].index_copy_(2, self.step_pos, k)
+            self.v[i].index_copy_(2, self.step_pos, v)
+            seen = (torch.arange(self.max_len, device=k.device) <= self.step_pos)[None]   # (1, max_len): up to here
+            return self.k[i].to(k.dtype), self.v[i].to(v.dtype), seen
+        if self.pos + T > self.max_len:
+            raise ValueError(f"KVCache full: {self.pos} + {T} tokens > max_len={self.max_len}")
+        self.k[i][:, :, self.pos:self.pos + T] = k
+        self.v[i][:, :, self.pos:self.pos + T] = v
+        self.layer += 1
+        end = self.pos + T
+        mask = None
+        if T > 1 and self.pos > 0:   # a chunk after cached tokens: query t sees positions <= pos + t
+            mask = torch.ones(T, end, dtype=torch.bool, device=k.device).tril(self.pos)
+        return self.k[i][:, :, :end].to(k.dtype), self.v[i][:, :, :end].to(v.dtype), mask
+
+    def advance(self, T):
+        """After a forward over T new tokens: they are cached."""
+        self.pos, self.layer = self.pos + T, 0

@@ -27,20 +27,14 @@ gather adds only G_{j-1}. Deterministic: every sum has a fixed order.
 Layouts (M = B*T tokens, row-major, 64-bit offsets; pair (j, n) is row j(j-1)/2 + n of P = N(N+1)/2): S, GB [N, M, d]
 sources, upstream gradients (activation dtype); fp32 R [N, M], W [N, d], LSE, C [N, H, M], DA, LG [P, H, M] (da, logit;
 then dlogit, alpha), KP [P, M], lead state PACC [M, d], PML [2, H, M], PK [M].
-Envelope: bf16 / fp16 / fp32 sources, math in fp32; d % H == 0, D >= 16 (any D); any number of sources (tests: 145
-on CUDA); > 2^31 elements per buffer; T = 1. Outside it: a ValueError naming the limit.
-Cost model: per (source, site) pair and channel the forward, the site pass and the gather each read 2 bytes (bf16),
-~6 P d bytes per token, against ~14 for two backward reads and an fp32 read-modify-write per pair. Measured on one
-H200 (chain forward + backward, CUDA-graph replay; BENCHMARKS.md): 5.85 / 9.43 / 14.64 ms at the 100M / 350M / 1B
-training microbatches; a launch costs ~4 us per source it reads (copy bandwidth) plus ~26-30 us fixed. Launched from
-Python (eager), three launches per site cost the host ~240 us per site forward + backward (RoutingChain._launch calls
-the compiled kernels' launchers directly), below the GPU time per site at the training microbatches.
+Envelope: bf16 / fp16 / fp32 sources, math in fp32; d % H == 0, D >= 16 (any D); any number of sources (tests: 145 on
+CUDA); > 2^31 elements per buffer; T = 1. Outside it a ValueError names the limit (routing_config.check_envelope, beside
+the launch settings: tile, warps and stages per kernel, tuned per width). Cost model: per (source, site) pair and channel
+the forward, the site pass and the gather each read 2 bytes (bf16), ~6 P d bytes per token (~14 for two backward reads
+and an fp32 read-modify-write per pair); a launch ~4 us per source it reads plus ~26-30 us (H200); eager, ~240 us of
+host time per site (RoutingChain._launch calls the compiled launchers directly). Measured times: BENCHMARKS.md.
 """
-import functools
-import os
-import sys
 import weakref
-from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -50,7 +44,9 @@ try:
 except ImportError:  # the model falls back to the reference routing (model.py prints why)
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # Triton's CPU interpreter (how CI runs the kernels)
+from routing_config import (DEFAULT, INTERPRET, TUNED_H200, RoutingConfig, _block_m, _split, announce,  # noqa: F401
+                            check_envelope, config_for, lead_schedule)
+
 # Triton >= 3.4 passes a compiled kernel's launcher every argument in signature order (what RoutingChain._launch uses)
 DIRECT_OK = triton is not None and not INTERPRET and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 4)
 
@@ -60,9 +56,9 @@ def available(device):
     return triton is not None and (torch.device(device).type == "cuda" or INTERPRET)
 
 
-if triton is not None:
-    # ---- helpers shared by both rungs ---------------------------------------------------------------------------
+# ---- rung 1: one stateless routing call over stacked sources (the algorithm) -----------------------------------------
 
+if triton is not None:   # the helpers both rungs use, then rung 1's kernels
     @triton.jit
     def _rounded(x, dtype: tl.constexpr):
         """x (fp32) in dtype, rounded to nearest even (the GPU's bf16 cast; the CPU interpreter would truncate)."""
@@ -106,7 +102,6 @@ if triton is not None:
         scale, p = tl.exp(m_i - m_new), tl.exp(logit - m_new)
         return m_new, l_i * scale + p, scale, p
 
-    # ---- 1. the algorithm: one routing call over stacked sources, stateless -------------------------------------
     # Sources: an optional null vector (broadcast over tokens; delta mode) as row 0 of DA / LG, then HIST [N, M, d]
     # with RMS factors R [N, M]. A program owns a (token block, head): a [BLOCK_M, BLOCK_D] tile, D padded to 2^k.
 
@@ -223,10 +218,74 @@ if triton is not None:
                                    inv_dm, H)
             tl.store(DHIST + (n * M).to(tl.int64) * DM + tile, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
 
-    # ---- 2. the chain: the same math with the whole depth history in one buffer ---------------------------------
-    # A head is held as up to two power-of-two column parts (_split): a = [0, D_A) and, if BLOCK_B > 0, b = [D_A, D_A +
-    # BLOCK_B) masked to D (160 = 128 + 32, where one tile would pad to 256: 37.5% of registers idle). Part b's code
-    # sits under `if SPLIT:` (a constexpr); without it part b's variables hold unused placeholders.
+
+def rms_factors(hist, eps):
+    """fp32 RMS factors (N, ...) of stacked sources (N, ..., d), not differentiated (route_stack's backward is)."""
+    with torch.no_grad():
+        ms = torch.linalg.vector_norm(hist, dim=-1, dtype=torch.float32).pow_(2).div_(hist.size(-1))
+        return torch.rsqrt(ms.add_(eps))
+
+
+def _call_launch(setting, M, d, heads, config):
+    """(grid, BLOCK_M, warps, stages, shape constexprs) of a per-call kernel."""
+    (tile, warps, stages), block_d = setting, triton.next_power_of_2(d // heads)
+    bm = _block_m(tile, block_d, config)
+    shape = dict(DM=d, H=heads, D=d // heads, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_C=min(1024, triton.next_power_of_2(d)))
+    return (triton.cdiv(M, bm) * heads,), bm, warps, stages, shape
+
+
+class _RouteCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hist, r, null, q, g, heads, eps, config):
+        N, M, d = hist.shape
+        grid, _, warps, stages, shape = _call_launch(config.call_fwd, M, d, heads, config)
+        out = torch.empty(M, d, dtype=hist.dtype, device=hist.device)
+        lse = torch.empty(heads, M, dtype=torch.float32, device=hist.device)
+        _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=N, eps=eps,
+                        **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
+        ctx.save_for_backward(hist, r, null, q, g, lse)
+        ctx.heads, ctx.eps, ctx.config = heads, eps, config
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):
+        hist, r, null, q, g, lse = ctx.saved_tensors
+        (N, M, d), H, has_null = hist.shape, ctx.heads, int(null is not None)
+        args = dict(HIST=hist, R=r, NULL=null if has_null else q, Q=q, G=g, LSE=lse, GOUT=gout.to(hist.dtype).contiguous(),
+                    M=M, N=N, eps=ctx.eps, HAS_NULL=has_null)
+        f32 = dict(dtype=torch.float32, device=hist.device)
+        da, lg, c = torch.empty(N + has_null, H, M, **f32), torch.empty(N + has_null, H, M, **f32), torch.empty(H, M, **f32)
+        grid, bm, warps, stages, shape = _call_launch(ctx.config.call_site, M, d, H, ctx.config)
+        part = torch.empty(triton.cdiv(M, bm), d, **f32)
+        _call_bwd_site[grid](**args, DA=da, LG=lg, C=c, PART=part, **shape, STAGES=stages, num_warps=warps)
+        grid, bm, warps, stages, shape = _call_launch(ctx.config.call_sources, M, d, H, ctx.config)
+        dhist = torch.empty_like(hist)
+        partnull = torch.empty(triton.cdiv(M, bm), d, **f32) if has_null else part
+        _call_bwd_sources[grid](**args, DA=da, LG=lg, C=c, DHIST=dhist, PARTNULL=partnull, inv_dm=1.0 / d, **shape,
+                                BLOCK_H=triton.next_power_of_2(H), STAGES=stages, num_warps=warps)
+        dw, dnull = part.sum(0), partnull.sum(0).to(null.dtype) if has_null else None
+        return dhist, None, dnull, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype), None, None, None
+
+
+@torch.compiler.disable
+def route_stack(sources, q, g, heads, eps, null=None, r=None, config=None):
+    """model.route_reference fused: stacked sources (N, B, T, d) -> (B, T, d); null (d,) an extra first source (delta
+    mode), r = rms_factors(sources) when calls share it. Stateless: composes with FSDP and activation checkpointing."""
+    N, B, T, d = sources.shape
+    check_envelope(d, heads, sources.dtype)
+    config = config or config_for(d, heads)
+    announce(config, d, heads)
+    r = rms_factors(sources, eps) if r is None else r
+    out = _RouteCall.apply(sources.reshape(N, B * T, d).contiguous(), r.reshape(N, B * T).contiguous(),
+                           None if null is None else null.to(sources.dtype).contiguous(), q, g, heads, eps, config)
+    return out.view(B, T, d)
+
+
+# ---- rung 2: the chain of one forward/backward pass (the whole depth history in one buffer) --------------------------
+
+if triton is not None:
+    # A head is held as up to two column parts (routing_config._split): part b's code sits under `if SPLIT:` (a
+    # constexpr); without it part b's variables hold unused placeholders.
 
     @triton.jit
     def _dot2(x_a, y_a, x_b, y_b, SPLIT: tl.constexpr):
@@ -603,163 +662,6 @@ if triton is not None:
                 tl.atomic_xchg(TICKET + h, 0)   # ready for the next site's gather
 
 
-# ---- launch settings -----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """How the kernels launch; per kernel (register-tile elements, warps, pipelining depth of the loop over sources)."""
-    name: str = "default"
-    fwd: tuple = (4096, 4, 4)                 # _chain_fwd
-    site: tuple = (16384, 8, 3)               # _chain_bwd_site
-    pairs: tuple = (1024, 2, 3)               # the pair pass in _chain_bwd_gather: its tile (warps, stages: the gather's)
-    gather: tuple = (1024, 2, 3)              # _chain_bwd_gather
-    fwd_lead: tuple | None = (4096, 4, 4)     # a forward that also runs the next site's softmax; None: none leads
-    gather_lead: tuple | None = (1024, 2, 3)  # a gather that also sums the previous source's terms; None: none leads
-    lead_min: int = 6             # a site leads if it reads >= this many tiles per token (its state: ~4 sources' bytes)
-    stored_logits: bool = False   # the forward stores each pair's logit and the site pass loads it
-    reducers: int = 16            # gather programs per head in the first level of the dw sum (1: one level, no ticket)
-    split: tuple = ("fwd", "site")   # kernels that hold a head as two column parts (the gather ran 10% slower split)
-    call_fwd: tuple = (4096, 4, 4)   # the per-call kernels, measured at the 8B delta shape (d 4096, H 8, 2 x 4096
-    call_site: tuple = (8192, 8, 3)  # tokens): a site tile of 16384 made its 64 calls 72.2 ms instead of 65.7
-    call_sources: tuple = (1024, 2, 3)
-    max_block_m: int = 256 if INTERPRET else 64   # tokens per program at most (the interpreter: few, big programs)
-    direct: bool = True   # the chain calls its compiled kernels' launchers directly (RoutingChain._launch)
-
-
-DEFAULT = RoutingConfig()
-# Per width (d, H), tuned on one H200 at the paper's training microbatches (Table 1) by `bench.py routing --tune-train`
-# and A/B runs (BENCHMARKS.md). At 1B (heads of 128 + 32 columns) stored logits cost the kernels 16% / 8% (registers)
-# and the two-level dw sum 0.8%; at 100M the paired gather was no faster (5.85 ms either way).
-TUNED_H200 = {
-    (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
-                   stored_logits=True),
-    (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
-                    gather_lead=(4096, 4, 4), stored_logits=True),
-    (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1),
-}
-
-
-def config_for(d, heads):
-    """The launch settings for width d and `heads` routing heads: the tuned entry, or DEFAULT."""
-    tuned = TUNED_H200.get((d, heads))
-    return DEFAULT if tuned is None else replace(DEFAULT, name=f"H200 d={d} H={heads}", **tuned)
-
-
-@functools.cache   # once per (config, width)
-def announce(config, d, heads):
-    """One line on stderr (rank 0) the first time a config runs at a width: which launch settings ran."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank()):
-        diff = ", ".join(f"{f.name}={getattr(config, f.name)}" for f in fields(config)
-                         if f.name != "name" and getattr(config, f.name) != getattr(DEFAULT, f.name))
-        print(f"fused routing (d={d}, H={heads}): launch config {config.name!r}" + (f" ({diff})" if diff else ""),
-              file=sys.stderr, flush=True)
-
-
-def _block_m(tile, width, config):
-    """Tokens per program: the power of two that fills `tile` register elements at this head width."""
-    if INTERPRET:   # the interpreter runs programs one by one: few, large ones
-        return config.max_block_m
-    return min(config.max_block_m, 1 << max(0, (tile // width).bit_length() - 1))
-
-
-def _split(D, split=True):
-    """(D_A, BLOCK_B, lanes) of a head of width D: split, 160 = 128 + 32; else D_A = D padded to 2^k, BLOCK_B = 0."""
-    p = 1 << (D.bit_length() - 1)
-    if p == D or not split:
-        return triton.next_power_of_2(D), 0, triton.next_power_of_2(D)
-    b = triton.next_power_of_2(D - p)
-    return p, b, p + b
-
-
-def _launch_hooks_off():
-    """No Triton launch hooks are set (a profiler's): RoutingChain._launch may skip Triton's launch path."""
-    hooks = triton.knobs.runtime
-    return all(h is None or getattr(h, "calls", None) == [] for h in (hooks.launch_enter_hook, hooks.launch_exit_hook))
-
-
-def lead_schedule(N, lead_min):
-    """Leading sites (forward, gather): every other one, from the longest reads down, while a leader reads >= lead_min."""
-    return (frozenset(j for j in range(N - 1, 0, -2) if j >= lead_min),          # forward site j reads j sources
-            frozenset(j for j in range(2, N + 1, 2) if N - j + 1 >= lead_min))  # gather j reads N - j + 1 gradients
-
-
-def check_envelope(d, heads, dtype):
-    """Raise a ValueError naming the limit when the fused kernels cannot take this shape."""
-    if d % heads:
-        raise ValueError(f"fused routing: d={d} is not divisible by route_heads={heads}")
-    if d // heads < 16:
-        raise ValueError(f"fused routing: head width d/H = {d}/{heads} = {d // heads} is below 16 (H <= d/16); "
-                         "use fewer route_heads or routing_impl='reference'")
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"fused routing: dtype {dtype} is not supported (bf16, fp16, fp32); use routing_impl='reference'")
-
-
-# ---- rung 1: one stateless call --------------------------------------------------------------------------------------
-
-def rms_factors(hist, eps):
-    """fp32 RMS factors (N, ...) of stacked sources (N, ..., d), not differentiated (route_stack's backward is)."""
-    with torch.no_grad():
-        ms = torch.linalg.vector_norm(hist, dim=-1, dtype=torch.float32).pow_(2).div_(hist.size(-1))
-        return torch.rsqrt(ms.add_(eps))
-
-
-def _call_launch(setting, M, d, heads, config):
-    """(grid, BLOCK_M, warps, stages, shape constexprs) of a per-call kernel."""
-    (tile, warps, stages), block_d = setting, triton.next_power_of_2(d // heads)
-    bm = _block_m(tile, block_d, config)
-    shape = dict(DM=d, H=heads, D=d // heads, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_C=min(1024, triton.next_power_of_2(d)))
-    return (triton.cdiv(M, bm) * heads,), bm, warps, stages, shape
-
-
-class _RouteCall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hist, r, null, q, g, heads, eps, config):
-        N, M, d = hist.shape
-        grid, _, warps, stages, shape = _call_launch(config.call_fwd, M, d, heads, config)
-        out = torch.empty(M, d, dtype=hist.dtype, device=hist.device)
-        lse = torch.empty(heads, M, dtype=torch.float32, device=hist.device)
-        _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=N, eps=eps,
-                        **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
-        ctx.save_for_backward(hist, r, null, q, g, lse)
-        ctx.heads, ctx.eps, ctx.config = heads, eps, config
-        return out
-
-    @staticmethod
-    def backward(ctx, gout):
-        hist, r, null, q, g, lse = ctx.saved_tensors
-        (N, M, d), H, has_null = hist.shape, ctx.heads, int(null is not None)
-        args = dict(HIST=hist, R=r, NULL=null if has_null else q, Q=q, G=g, LSE=lse, GOUT=gout.to(hist.dtype).contiguous(),
-                    M=M, N=N, eps=ctx.eps, HAS_NULL=has_null)
-        f32 = dict(dtype=torch.float32, device=hist.device)
-        da, lg, c = torch.empty(N + has_null, H, M, **f32), torch.empty(N + has_null, H, M, **f32), torch.empty(H, M, **f32)
-        grid, bm, warps, stages, shape = _call_launch(ctx.config.call_site, M, d, H, ctx.config)
-        part = torch.empty(triton.cdiv(M, bm), d, **f32)
-        _call_bwd_site[grid](**args, DA=da, LG=lg, C=c, PART=part, **shape, STAGES=stages, num_warps=warps)
-        grid, bm, warps, stages, shape = _call_launch(ctx.config.call_sources, M, d, H, ctx.config)
-        dhist = torch.empty_like(hist)
-        partnull = torch.empty(triton.cdiv(M, bm), d, **f32) if has_null else part
-        _call_bwd_sources[grid](**args, DA=da, LG=lg, C=c, DHIST=dhist, PARTNULL=partnull, inv_dm=1.0 / d, **shape,
-                                BLOCK_H=triton.next_power_of_2(H), STAGES=stages, num_warps=warps)
-        dw, dnull = part.sum(0), partnull.sum(0).to(null.dtype) if has_null else None
-        return dhist, None, dnull, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype), None, None, None
-
-
-@torch.compiler.disable
-def route_stack(sources, q, g, heads, eps, null=None, r=None, config=None):
-    """model.route_reference fused: stacked sources (N, B, T, d) -> (B, T, d); null (d,) an extra first source (delta
-    mode), r = rms_factors(sources) when calls share it. Stateless: composes with FSDP and activation checkpointing."""
-    N, B, T, d = sources.shape
-    check_envelope(d, heads, sources.dtype)
-    config = config or config_for(d, heads)
-    announce(config, d, heads)
-    r = rms_factors(sources, eps) if r is None else r
-    out = _RouteCall.apply(sources.reshape(N, B * T, d).contiguous(), r.reshape(N, B * T).contiguous(),
-                           None if null is None else null.to(sources.dtype).contiguous(), q, g, heads, eps, config)
-    return out.view(B, T, d)
-
-
-# ---- rung 2: the chain of one forward/backward pass ------------------------------------------------------------------
-
 class RoutingChain:
     """The buffers and bookkeeping of one forward/backward pass over all N sites. Contract: sites run forward in order
     1..N and backward in exact reverse order N..1, once; a second forward may not start while the first one's backward
@@ -814,12 +716,11 @@ class RoutingChain:
         return (triton.cdiv(self.M, bm) * self.H,), bm, warps, stages, dict(D_A=d_a, BLOCK_B=block_b)
 
     def _launch(self, kernel, key, grid, warps, fresh, varying, fixed):
-        """kernel[grid](**fixed(), **varying, num_warps=warps): fixed() builds the arguments that stay the same for
-        the chain's life, `varying` holds the rest (in the same order at every call), `fresh` its tensors.
-        Triton's own launch binds every argument, computes their specialisation and looks up the compiled kernel at
-        each call; a chain launches the same few specialisations 3N times per pass. So a key's first launch goes
-        through Triton and keeps the compiled kernel and its arguments in signature order; later launches fill in
-        `varying` and call the launcher (the eager chain: 0.62-0.69x the wall time of Triton's path on an H200 host).
+        """kernel[grid](**fixed(), **varying, num_warps=warps); fixed() builds the arguments that stay the same for the
+        chain's life, `varying` the rest (same order at every call), `fresh` its tensors. Triton's own launch binds and
+        specialises every argument at each call, and a chain launches a few specialisations 3N times per pass: so a
+        key's first launch goes through Triton and keeps the compiled kernel and its arguments in signature order, and
+        later launches fill in `varying` and call the launcher (eager chain: 0.62-0.69x the wall time on an H200 host).
         The fresh tensors' dtypes join the key; one off 16-byte alignment takes Triton's path (it specialises on it)."""
         key = (key, *[t.dtype for t in fresh])
         aligned = not any([t.data_ptr() & 15 for t in fresh])
@@ -844,7 +745,9 @@ class RoutingChain:
     def reset(self, queries=None, gains=None):
         """Ready for a new pass; queries, gains: every site's q and g, which leading forwards read (None: no leads)."""
         self.queries, self.gains = queries, gains
-        self.direct = self.config.direct and DIRECT_OK and _launch_hooks_off()   # (a profiler may add hooks)
+        hooks = triton.knobs.runtime   # launch hooks (a profiler's) need Triton's own launch path
+        self.direct = self.config.direct and DIRECT_OK and all(
+            h is None or getattr(h, "calls", None) == [] for h in (hooks.launch_enter_hook, hooks.launch_exit_hook))
         self.following = False   # the previous launch (forward: site j-1; backward: gather j+1) led this one
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
@@ -945,4 +848,3 @@ class FusedRouter:
             c = self.chain = RoutingChain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True, self.config)
         c.reset(*(() if queries is None else ([q.detach() for q in queries], [g.detach() for g in gains])))
         return c
-

@@ -15,9 +15,10 @@ import re
 import shutil
 import signal
 import subprocess
-import types
 import sys
+import tempfile
 import time
+import types
 
 import numpy as np
 import pytest
@@ -28,6 +29,13 @@ if not torch.cuda.is_available():   # kernels run on the CPU through Triton's in
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The suite's subprocesses (train.py, torchrun, sample.py, ...) import torch afresh. Where Python cannot keep bytecode
+# beside torch's sources (a read-only install, or PYTHONDONTWRITEBYTECODE), each launch compiles its ~1,800 modules
+# again (5 s of every launch on a GPU host); a bytecode cache of the suite's own compiles them once.
+_PYCACHE = os.path.join(os.path.dirname(torch.__file__), "__pycache__")
+if sys.dont_write_bytecode or not os.access(_PYCACHE if os.path.isdir(_PYCACHE) else os.path.dirname(_PYCACHE), os.W_OK):
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), "mhar-tests-pycache"))
 SHARED = os.path.join(HERE, "..", "shared", "data")
 if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(os.path.join(SHARED, "tiktoken_cache")):
     os.environ["TIKTOKEN_CACHE_DIR"] = os.path.realpath(os.path.join(SHARED, "tiktoken_cache"))
@@ -38,14 +46,18 @@ import eval as evaluate  # noqa: E402
 import prepare_data  # noqa: E402
 import routing_kernel as rk  # noqa: E402
 import train  # noqa: E402
+import checkpoint  # noqa: E402
+import graphs  # noqa: E402
 from bench import run_chain  # noqa: E402   (N routing sites with a sublayer between them, like a model's)
-from model import GPT, GPTConfig, DecodeGraph, KVCache, peak_flops, route_reference  # noqa: E402
+from graphs import DecodeGraph  # noqa: E402
+from model import GPT, GPTConfig, KVCache, peak_flops, route_reference  # noqa: E402
+
 
 MODES = ("baseline", "hyper", "attnres", "mhar")
 
 
 # =====================================================================================================================
-# fixtures and helpers
+# fixtures and helpers that several sections use
 # =====================================================================================================================
 
 def tiny_cfg(**kw):
@@ -99,17 +111,6 @@ def load_module(path):
     return module
 
 
-def read_docs(path):
-    with lzma.open(path, "rt") as f:
-        return [json.loads(line)["text"] for line in f if line.strip()]
-
-
-def corpus_gpt2(tmp_path, corpus):
-    d = str(tmp_path / "gpt2data")
-    prepare_data.prepare(input=corpus, out_dir=d, val_fraction=0.05, max_tokens=20000, workers=1)
-    return d
-
-
 TRAIN_ARGS = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--n_embd=64", "--ffn_hidden=128", "--block_size=64",
               "--batch_tokens=512", "--micro_batch=4", "--lr=3e-3", "--warmup_steps=5", "--lr_decay_steps=60",
               "--eval_tokens=2048", "--device=cpu", "--compile=False", "--residual=mhar"]
@@ -134,204 +135,9 @@ def read_log(out_dir):
     return train_, evals
 
 
-SMALL_BLOCKS = rk.RoutingConfig(max_block_m=16)   # many token blocks per launch, the last one partial
-
-
-def chain_grads(impl, src0, qs, gs, shift, up, H, dtype, config=None):
-    """N routing sites with tanh sublayers between them: out and every gradient (float64), bench.chain_grads."""
-    return bench.chain_grads(impl, src0.to(dtype), qs, gs, lambda j, x: torch.tanh(x) + shift[j].to(x.dtype), up, H,
-                             config)
-
-
-def chain_inputs(N, B, T, d, seed):
-    """Random inputs of an N-site chain: source 0, every site's q and g, the sublayer shifts, the upstream gradient."""
-    gen = torch.Generator().manual_seed(seed)
-    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
-    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
-    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
-    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
-    return src0, qs, gs, shift, torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
-
-
-def check_fused_chain(N, B, T, d, H, dtype, config=None):
-    src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=N * 1000 + T)
-    fused = chain_grads("fused", src0, qs, gs, shift, up, H, dtype, config)
-    names = ["out", "d_source", "dq", "dg"]
-    if N == 1:   # one source: alpha = 1, so dq and dg are 0 by the math; the fused path leaves rounding noise
-        scale = fused[1].abs().max() * B * T          # (exp(logit - lse) is 1 only up to a few ulp on a GPU)
-        assert fused[2].abs().max() < 1e-5 * scale and fused[3].abs().max() < 1e-5 * scale
-        names, fused = names[:2], fused[:2]
-    if dtype == torch.float32:
-        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
-        for name, a, b in zip(names, fused, ref):
-            assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
-    else:   # bf16: no worse than 1.5x the reference's own bf16 error, both against a float64 truth
-        # the truth runs the same bf16 inputs in float64 (src0 rounded to bf16 first, like both paths see it)
-        truth = chain_grads("reference", src0.to(dtype).double(), [x.double() for x in qs], [x.double() for x in gs],
-                            [x.to(dtype).double() for x in shift], up, H, torch.float64)
-        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
-        for name, a, b, t in zip(names, fused, ref, truth):
-            assert rel_err(a, t) <= 1.5 * rel_err(b, t) + 1e-6, (name, rel_err(a, t), rel_err(b, t))
-
-
-def tiny_pair(routing_config=None, gate=None, **kw):
-    """The same tiny MHAR model with reference and fused routing (launch settings routing_config), non-trivial queries;
-    gate: delta mode's alpha at every site (0 at init, which keeps routing from the output and its gradients)."""
-    models = []
-    for impl in ("reference", "fused"):
-        torch.manual_seed(0)
-        m = GPT(tiny_cfg(routing_impl=impl, **kw)).to(DEVICE)
-        m.routing_config = routing_config
-        randomize_routing(m)
-        if gate is not None:
-            with torch.no_grad():
-                for site in m.routing_sites():
-                    site.alpha.fill_(gate)
-        models.append(m)
-    return models
-
-
-def fused_model_vs_reference(**kw):
-    """Logits and every parameter gradient of a tiny model, fused against reference routing; returns the fused model."""
-    ref, fused = tiny_pair(**kw)
-    idx = torch.randint(0, 96, (2, 19), device=DEVICE)
-    outs = []
-    for m in (ref, fused):
-        logits, loss = m(idx, idx)
-        loss.backward()
-        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
-    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
-    assert_grads_close(outs[1][1], outs[0][1])
-    return fused
-
-
-def assert_grads_close(fused, ref, tol=1e-4):
-    """Every parameter gradient; the routing q and g of all sites compared as one vector each (site 0 mixes
-    one source, so its q and g get exactly 0 in the reference and rounding noise in the fused path)."""
-    for name, grad in ref.items():
-        if not name.startswith("routes."):
-            assert rel_err(fused[name].double(), grad.double()) < tol, name
-    for p in ("q", "g"):
-        names = [n for n in ref if n.startswith("routes.") and n.endswith("." + p)]
-        if not names:   # a mode without routing
-            continue
-        a, b = torch.cat([fused[n] for n in names]), torch.cat([ref[n] for n in names])
-        assert rel_err(a.double(), b.double()) < tol, p
-
-
-HF_CONFIGS = {
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=300, hidden_size=64,
-                  intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=32, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6,
-                  tie_word_embeddings=True, hidden_act="silu", attention_bias=False, torch_dtype="float32"),
-    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=259, hidden_size=64,
-                  intermediate_size=112, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
-                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False,
-                  rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 32, "rope_type": "llama3"},
-                  hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="float32"),
-}
-
-
-def write_hf_checkpoint(path, hf_config, seed=0, shards=2, rope_parameters=False):
-    """Random weights in Hugging Face layout (config.json, sharded safetensors, index); returns the same
-    weights as a model.py baseline, the reference for the conversion."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    cfg = convert.model_config(hf_config, num_blocks=1)
-    torch.manual_seed(seed)
-    base = GPT(GPTConfig.from_dict({**cfg.__dict__, "residual": "baseline"}))
-    with torch.no_grad():   # norms away from 1 so a mis-mapped norm shows
-        for name, p in base.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-    hf_name = {}
-    for hf, ours in convert.NAMES.items():
-        for i in range(cfg.n_layer):
-            hf_name[ours.format(i=i)] = hf.format(i=i)
-    tensors = {hf_name[k]: v.contiguous() for k, v in base.state_dict().items()
-               if not (k == "lm_head.weight" and cfg.tie_embeddings)}
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s::shards]}
-        save_file(part, os.path.join(path, fname))
-        weight_map.update({n: fname for n in part})
-    json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(path, "model.safetensors.index.json"), "w"))
-    hf_config = dict(hf_config)
-    if rope_parameters:   # the layout recent transformers versions write
-        hf_config["rope_parameters"] = {"rope_theta": hf_config.pop("rope_theta"), **(hf_config.pop("rope_scaling", None) or {"rope_type": "default"})}
-    json.dump(hf_config, open(os.path.join(path, "config.json"), "w"))
-    return base
-
-
-def write_tiny_tokenizer(path):
-    """A byte-level BPE tokenizer.json with <|end_of_text|> (Llama 3's end-of-text name), 257 tokens."""
-    pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=257, special_tokens=["<|end_of_text|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world"], trainer)
-    tok.save(path)
-    return path
-
-
-EVAL = os.path.join(SHARED, "eval")
-
-
-@pytest.fixture(scope="session")
-def eval_ckpt(tmp_path_factory):
-    """Tiny MHAR (H = 2) and attention-residual (H = 1) checkpoints with the GPT-2 tokenizer, live routing."""
-    paths = {}
-    for residual, H in (("mhar", 2), ("attnres", 1)):
-        torch.manual_seed(3)
-        cfg = GPTConfig(vocab_size=50304, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64,
-                        block_size=32, residual=residual, route_heads=H)
-        model = GPT(cfg)
-        with torch.no_grad():
-            for site in model.routing_sites():
-                site.q.normal_(0.0, 1.0)
-        out = tmp_path_factory.mktemp(f"eval_{residual}")
-        torch.save({"model": model.state_dict(), "model_config": cfg.__dict__, "step": 0, "tokenizer": "gpt2",
-                    "train_config": {"block_size": 32}}, out / "ckpt.pt")
-        paths[residual] = str(out)
-    return paths
-
-
-@pytest.fixture(scope="session")
-def eval_root(tmp_path_factory):
-    """Small eval sets in --data_root layout: the shared files' first examples (or stand-ins without them)."""
-    root = tmp_path_factory.mktemp("evaldata")
-    wiki = os.path.join(EVAL, "wikitext-2-raw", "wiki.test.raw")
-    text = open(wiki, encoding="utf-8").read()[:400] if os.path.isfile(wiki) else \
-        " = Valkyria Chronicles = \n\n Senjo no Valkyria is a tactical role @-@ playing game developed by Sega . \n" * 3
-    lam = os.path.join(EVAL, "lambada", "lambada_test.jsonl")
-    texts = [json.loads(line)["text"] for line in open(lam)][:3] if os.path.isfile(lam) else \
-        ["She opened the door and saw her brother", "He put the book back on the shelf"]
-    texts.append("The word he could never spell was floccinaucinihilipilification")   # a many-token last word
-    hs = os.path.join(EVAL, "hellaswag", "hellaswag_val.jsonl.xz")
-    rows = [json.loads(line) for line in lzma.open(hs, "rt")][:5] if os.path.isfile(hs) else \
-        [{"ctx": "A man is sitting on a roof. he", "endings": ["is eating.", "starts pulling up roofing.", "flies.", "sings."],
-          "label": 1}] * 3
-    for rel, content in (("wikitext-2-raw/wiki.test.raw", text), ("wikitext-2-raw/wiki.valid.raw", text[::-1]),
-                         ("lambada/lambada_test.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts)),
-                         ("hellaswag/hellaswag_val.jsonl", "".join(json.dumps(r) + "\n" for r in rows))):
-        os.makedirs(os.path.dirname(root / rel), exist_ok=True)
-        (root / rel).write_text(content, encoding="utf-8")
-    return str(root)
-
-
-def direct_logprob(model, ids, target_pos):
-    """log p(ids[t] | ids[:t]) for each t in target_pos, one unbatched forward per call; and greedy hits."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids[:-1]]))[0][0].double()
-    logp = torch.log_softmax(logits, -1)
-    return [logp[t - 1, ids[t]].item() for t in target_pos], [logits[t - 1].argmax().item() == ids[t] for t in target_pos]
-
+# =====================================================================================================================
+# model.py: route_reference against a float64 oracle, the method's invariants, configs, generation
+# =====================================================================================================================
 
 def route_oracle(sources, q, g, H, eps):
     """Per-head loops in float64, written from the paper's Eq. 3 without sharing code with model.py."""
@@ -348,10 +154,6 @@ def route_oracle(sources, q, g, H, eps):
         out[..., sl] = torch.einsum("nbt,nbtk->btk", w, s[..., sl])
     return out
 
-
-# =====================================================================================================================
-# model.py: route_reference against a float64 oracle, the method's invariants, configs
-# =====================================================================================================================
 
 @pytest.mark.parametrize("N,B,T,d,H", [(1, 2, 3, 32, 2), (5, 2, 7, 96, 4), (9, 1, 5, 40, 5), (4, 3, 1, 64, 1)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
@@ -508,31 +310,6 @@ def test_generate_with_cache_matches_without_and_crops_long_prompts():
     assert stopped.shape == (2, 8)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA (the step itself is tested above)")
-@pytest.mark.parametrize("residual", ["baseline", "mhar", "delta"])
-def test_decode_graph_replays_the_eager_steps(residual):
-    """generate's CUDA-graphed decode gives the eager cached decode's greedy tokens (fp32, B = 2, fused routing), also
-    after the cache restarts past block_size, and its captured logits are the eager step's."""
-    torch.manual_seed(0)
-    m = GPT(tiny_cfg(residual=residual, routing_impl="auto", num_blocks=2,
-                     **({"route_heads": 2} if residual == "delta" else {}))).cuda().eval()
-    randomize_routing(m)
-    with torch.no_grad():
-        for site in m.routing_sites():
-            if hasattr(site, "alpha"):
-                site.alpha.fill_(0.7)
-        prompt = torch.randint(0, 96, (2, 7), device="cuda")
-        eager = m.generate(prompt, 40, temperature=0, cuda_graph=False)   # block_size 32: restarts once
-        assert torch.equal(m.generate(prompt, 40, temperature=0, cuda_graph=True), eager)
-        cache = KVCache(m, 2)
-        m(prompt, cache=cache)
-        step = DecodeGraph.capture(m, cache, prompt[:, -1:])
-        assert step and cache.pos == 7
-        graphed = step(eager[:, 7:8]).clone()
-        cache.pos = 7
-        torch.testing.assert_close(graphed, DecodeGraph(m, cache, eager[:, 7:8])(eager[:, 7:8]), rtol=1e-5, atol=1e-5)
-
-
 def test_generate_and_mfu():
     model = GPT(tiny_cfg())
     out = model.generate(torch.zeros(2, 3, dtype=torch.long), 5, temperature=0.7, top_k=5)
@@ -600,16 +377,6 @@ def test_route_scale_is_a_scaled_query(residual):
     assert all(site.gain() is site.g for site in plain.routing_sites())
 
 
-@pytest.mark.parametrize("residual", ["attnres", "mhar", "delta"])
-def test_fused_route_scale_matches_reference(residual):
-    """With route_scale != 1 the fused paths (the chain; delta mode's per-call kernels) give the reference's logits
-    and every gradient."""
-    if not rk.available(DEVICE):
-        pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
-    fused_model_vs_reference(residual=residual, route_scale=0.5, num_blocks=2,
-                             **(dict(route_heads=2, gate=0.7) if residual == "delta" else {}))
-
-
 def test_compiled_hyper_connections_match_eager():
     """compile_sublayers also compiles the hyper-connections' stream read and write (one graph each for every
     layer): same loss and gradients as eager, with non-zero dynamic weights."""
@@ -640,7 +407,9 @@ def test_logits_beside_a_loss_are_detached():
     logits, loss = model(idx, idx)
     assert loss.requires_grad and not logits.requires_grad
     assert model(idx)[0].requires_grad
-    model.compile_sublayers()
+    # AOT autograd is where an unused output's zero gradient gets filled: its eager backend shows the fill (checked
+    # with a head that returns the logits undetached) without the minutes of inductor's C++ compilation
+    model.compile_sublayers(backend="aot_eager")
     for _ in range(2):   # compile, then a clean step
         model(idx, idx)[1].backward()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -650,9 +419,111 @@ def test_logits_beside_a_loss_are_detached():
     assert not fills, f"a (B, T, vocab) fill in the compiled step: {fills}"
 
 
+def test_auto_routing_picks_reference_on_cpu_and_says_so(capsys):
+    """routing_impl='auto' (the default) takes the reference routing on a CPU, even under TRITON_INTERPRET=1 (the
+    interpreter is for tests), and says so once; explicit 'fused' runs the kernels there under the interpreter."""
+    GPT._said.clear()
+    m = GPT(tiny_cfg(routing_impl="auto"))
+    assert m.cfg.routing_impl == "auto" and GPTConfig.routing_impl == "auto"
+    assert m.routing_path("cpu") == "reference" and m.routing_path("cpu") == "reference"
+    assert capsys.readouterr().err.count("routing (routing_impl='auto'): the reference PyTorch routing, since the "
+                                         "model is on cpu") == 1
+    if rk.available("cpu"):
+        assert GPT(tiny_cfg(routing_impl="fused")).routing_path("cpu") == "fused"
+    if torch.cuda.is_available() and rk.triton is not None:
+        assert m.routing_path("cuda") == "fused"
+        assert GPT(tiny_cfg(routing_impl="auto", n_embd=48, route_heads=4)).routing_path("cuda") == "reference"   # D 12
+        assert "head width d/H = 48/4 = 12 is below 16" in capsys.readouterr().err
+
+
 # =====================================================================================================================
 # routing_kernel.py: the fused kernels against the reference (CPU: Triton's interpreter)
 # =====================================================================================================================
+
+SMALL_BLOCKS = rk.RoutingConfig(max_block_m=16)   # many token blocks per launch, the last one partial
+
+
+def chain_grads(impl, src0, qs, gs, shift, up, H, dtype, config=None):
+    """N routing sites with tanh sublayers between them: out and every gradient (float64), bench.chain_grads."""
+    return bench.chain_grads(impl, src0.to(dtype), qs, gs, lambda j, x: torch.tanh(x) + shift[j].to(x.dtype), up, H,
+                             config)
+
+
+def chain_inputs(N, B, T, d, seed):
+    """Random inputs of an N-site chain: source 0, every site's q and g, the sublayer shifts, the upstream gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    src0 = torch.randn(B, T, d, generator=gen).to(DEVICE)
+    qs = [torch.randn(d, generator=gen).to(DEVICE) for _ in range(N)]
+    gs = [(1 + 0.3 * torch.randn(d, generator=gen)).to(DEVICE) for _ in range(N)]
+    shift = [torch.randn(B, T, d, generator=gen).to(DEVICE) for _ in range(N)]
+    return src0, qs, gs, shift, torch.randn(B, T, d, generator=gen, dtype=torch.float64).to(DEVICE)
+
+
+def check_fused_chain(N, B, T, d, H, dtype, config=None):
+    src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=N * 1000 + T)
+    fused = chain_grads("fused", src0, qs, gs, shift, up, H, dtype, config)
+    names = ["out", "d_source", "dq", "dg"]
+    if N == 1:   # one source: alpha = 1, so dq and dg are 0 by the math; the fused path leaves rounding noise
+        scale = fused[1].abs().max() * B * T          # (exp(logit - lse) is 1 only up to a few ulp on a GPU)
+        assert fused[2].abs().max() < 1e-5 * scale and fused[3].abs().max() < 1e-5 * scale
+        names, fused = names[:2], fused[:2]
+    if dtype == torch.float32:
+        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
+        for name, a, b in zip(names, fused, ref):
+            assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+    else:   # bf16: no worse than 1.5x the reference's own bf16 error, both against a float64 truth
+        # the truth runs the same bf16 inputs in float64 (src0 rounded to bf16 first, like both paths see it)
+        truth = chain_grads("reference", src0.to(dtype).double(), [x.double() for x in qs], [x.double() for x in gs],
+                            [x.to(dtype).double() for x in shift], up, H, torch.float64)
+        ref = chain_grads("reference", src0, qs, gs, shift, up, H, dtype)
+        for name, a, b, t in zip(names, fused, ref, truth):
+            assert rel_err(a, t) <= 1.5 * rel_err(b, t) + 1e-6, (name, rel_err(a, t), rel_err(b, t))
+
+
+def tiny_pair(routing_config=None, gate=None, **kw):
+    """The same tiny MHAR model with reference and fused routing (launch settings routing_config), non-trivial queries;
+    gate: delta mode's alpha at every site (0 at init, which keeps routing from the output and its gradients)."""
+    models = []
+    for impl in ("reference", "fused"):
+        torch.manual_seed(0)
+        m = GPT(tiny_cfg(routing_impl=impl, **kw)).to(DEVICE)
+        m.routing_config = routing_config
+        randomize_routing(m)
+        if gate is not None:
+            with torch.no_grad():
+                for site in m.routing_sites():
+                    site.alpha.fill_(gate)
+        models.append(m)
+    return models
+
+
+def fused_model_vs_reference(**kw):
+    """Logits and every parameter gradient of a tiny model, fused against reference routing; returns the fused model."""
+    ref, fused = tiny_pair(**kw)
+    idx = torch.randint(0, 96, (2, 19), device=DEVICE)
+    outs = []
+    for m in (ref, fused):
+        logits, loss = m(idx, idx)
+        loss.backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
+    assert_grads_close(outs[1][1], outs[0][1])
+    return fused
+
+
+def assert_grads_close(fused, ref, tol=1e-4):
+    """Every parameter gradient; the routing q and g of all sites compared as one vector each (site 0 mixes
+    one source, so its q and g get exactly 0 in the reference and rounding noise in the fused path)."""
+    for name, grad in ref.items():
+        if not name.startswith("routes."):
+            assert rel_err(fused[name].double(), grad.double()) < tol, name
+    for p in ("q", "g"):
+        names = [n for n in ref if n.startswith("routes.") and n.endswith("." + p)]
+        if not names:   # a mode without routing
+            continue
+        a, b = torch.cat([fused[n] for n in names]), torch.cat([ref[n] for n in names])
+        assert rel_err(a.double(), b.double()) < tol, p
+
 
 @pytest.mark.parametrize("null", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -908,6 +779,16 @@ def test_fused_falls_back_loudly_without_triton_device():
     assert r.stderr.count("routing_impl='fused' cannot run") == 1 and "routing_impl='reference'" in r.stderr
 
 
+@pytest.mark.parametrize("residual", ["attnres", "mhar", "delta"])
+def test_fused_route_scale_matches_reference(residual):
+    """With route_scale != 1 the fused paths (the chain; delta mode's per-call kernels) give the reference's logits
+    and every gradient."""
+    if not rk.available(DEVICE):
+        pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
+    fused_model_vs_reference(residual=residual, route_scale=0.5, num_blocks=2,
+                             **(dict(route_heads=2, gate=0.7) if residual == "delta" else {}))
+
+
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_fused_delta_matches_reference(tmp_path, checkpoint):
     hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
@@ -941,6 +822,11 @@ def test_fused_delta_matches_reference(tmp_path, checkpoint):
 # =====================================================================================================================
 # prepare_data.py
 # =====================================================================================================================
+
+def read_docs(path):
+    with lzma.open(path, "rt") as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
 
 def test_prepare_data_counts_and_round_trip(data_dir, corpus):
     meta = json.load(open(os.path.join(data_dir, "meta.json")))
@@ -997,8 +883,38 @@ def test_tokenizer_error_is_actionable(monkeypatch, tmp_path):
         prepare_data.load_tokenizer("o200k_base")
 
 
+@pytest.mark.parametrize("line,msg", [
+    ('{"text": "ok"}\n{"text": 123}\n', r"bad.jsonl:2: field 'text' holds int"),
+    ('{"text": "ok"}\n\n{"text": "a" oops}\n', r"bad.jsonl:3: not a JSON object"),
+    ('{"body": "no text field"}\n', r"bad.jsonl:1: no field 'text'"),
+    (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"bad.jsonl:2: not UTF-8 text"),
+])
+def test_bad_input_documents_name_file_and_line(tmp_path, line, msg):
+    src = tmp_path / "bad.jsonl"
+    (src.write_bytes if isinstance(line, bytes) else src.write_text)(line)
+    out = tmp_path / "prepared"
+    with pytest.raises((ValueError, KeyError), match=msg):
+        prepare_data.prepare(input=str(src), out_dir=str(out), workers=1)
+    assert not out.exists()   # nothing left behind: no folder, no .tmp files
+
+
+def test_hub_offline_gives_the_local_input_hint(tmp_path, monkeypatch):
+    """No network: prepare_data.py's default (FineWeb-Edu from the Hub) fails with the --input= hint, leaving nothing."""
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    out = tmp_path / "fw"
+    with pytest.raises(RuntimeError, match=r"without a network, pass local files: --input="):
+        prepare_data.prepare(out_dir=str(out), workers=1)
+    assert not out.exists()
+    with pytest.raises(RuntimeError, match=r"pass --data_root=DIR"):
+        evaluate.load_task("lambada")
+
+
 # =====================================================================================================================
-# train.py: options, and runs as users run them (resume, DDP, FSDP2, CUDA graphs)
+# train.py: options, runs as users run them (resume, DDP, FSDP2), non-finite states
 # =====================================================================================================================
 
 @pytest.mark.parametrize("argv,msg", [
@@ -1055,36 +971,6 @@ def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
     assert not os.path.exists(tmp_path / "out" / "train.lock")
 
 
-@pytest.mark.parametrize("line,msg", [
-    ('{"text": "ok"}\n{"text": 123}\n', r"bad.jsonl:2: field 'text' holds int"),
-    ('{"text": "ok"}\n\n{"text": "a" oops}\n', r"bad.jsonl:3: not a JSON object"),
-    ('{"body": "no text field"}\n', r"bad.jsonl:1: no field 'text'"),
-    (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"bad.jsonl:2: not UTF-8 text"),
-])
-def test_bad_input_documents_name_file_and_line(tmp_path, line, msg):
-    src = tmp_path / "bad.jsonl"
-    (src.write_bytes if isinstance(line, bytes) else src.write_text)(line)
-    out = tmp_path / "prepared"
-    with pytest.raises((ValueError, KeyError), match=msg):
-        prepare_data.prepare(input=str(src), out_dir=str(out), workers=1)
-    assert not out.exists()   # nothing left behind: no folder, no .tmp files
-
-
-def test_hub_offline_gives_the_local_input_hint(tmp_path, monkeypatch):
-    """No network: prepare_data.py's default (FineWeb-Edu from the Hub) fails with the --input= hint, leaving nothing."""
-    datasets = pytest.importorskip("datasets")
-
-    def offline(*a, **k):
-        raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub (LocalEntryNotFoundError)")
-    monkeypatch.setattr(datasets, "load_dataset", offline)
-    out = tmp_path / "fw"
-    with pytest.raises(RuntimeError, match=r"without a network, pass local files: --input="):
-        prepare_data.prepare(out_dir=str(out), workers=1)
-    assert not out.exists()
-    with pytest.raises(RuntimeError, match=r"pass --data_root=DIR"):
-        evaluate.load_task("lambada")
-
-
 def test_train_options_parse():
     cfg = train.parse_args([os.path.join(HERE, "config", "tiny.py"), "--lr=1e-3", "--route_heads=2", "--residual=baseline"])
     assert cfg.lr == 1e-3 and cfg.route_heads == 2 and cfg.residual == "baseline" and cfg.n_layer == 4
@@ -1124,26 +1010,26 @@ def test_training_loss_falls_and_sample(tmp_path, data_dir):
 
 def test_kill_and_resume_is_bitwise(tmp_path, data_dir):
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    r = run_train(full, data_dir, "--max_steps=60", "--eval_interval=20")
+    r = run_train(full, data_dir, "--max_steps=30", "--eval_interval=10")
     assert r.returncode == 0, r.stderr
-    proc = run_train(killed, data_dir, "--max_steps=60", "--eval_interval=20", wait=False)
+    proc = run_train(killed, data_dir, "--max_steps=30", "--eval_interval=10", wait=False)
     log = os.path.join(killed, "log.jsonl")
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:   # kill mid-run, after the step-20 checkpoint
-        if os.path.exists(log) and any(json.loads(l).get("step", 0) >= 26 for l in open(log)):
+    while time.time() < deadline and proc.poll() is None:   # kill mid-run, after the step-10 checkpoint
+        if os.path.exists(log) and any(json.loads(l).get("step", 0) >= 13 for l in open(log)):
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.02)
     assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
-    assert torch.load(os.path.join(killed, "ckpt.pt"), weights_only=False)["step"] in (20, 40)
-    r = run_train(killed, data_dir, "--max_steps=60", "--eval_interval=20", "--init_from=resume")
+    assert torch.load(os.path.join(killed, "ckpt.pt"), weights_only=False)["step"] in (10, 20)
+    r = run_train(killed, data_dir, "--max_steps=30", "--eval_interval=10", "--init_from=resume")
     assert r.returncode == 0, r.stderr
     a, b = read_log(full), read_log(killed)
     assert a[0].keys() == b[0].keys() and a[1].keys() == b[1].keys()
     assert all(a[0][s]["loss"] == b[0][s]["loss"] for s in a[0]), "resumed losses differ from the uninterrupted run"
     assert all(a[1][s]["val_loss"] == b[1][s]["val_loss"] for s in a[1])
     # an incompatible config is refused, naming the keys
-    r = run_train(killed, data_dir, "--max_steps=80", "--init_from=resume", "--residual=attnres", "--lr=1e-3")
+    r = run_train(killed, data_dir, "--max_steps=40", "--init_from=resume", "--residual=attnres", "--lr=1e-3")
     assert r.returncode != 0 and "residual: 'mhar' -> 'attnres'" in r.stderr and "lr: 0.003 -> 0.001" in r.stderr
     # a schedule whose horizon follows max_steps: extending the run changes it unless the horizon is pinned
     short = str(tmp_path / "short")
@@ -1154,7 +1040,38 @@ def test_kill_and_resume_is_bitwise(tmp_path, data_dir):
     assert r.returncode == 0, r.stderr
 
 
-# ---- faults a user meets: non-finite states, broken logs and checkpoints, a shared out_dir, stops --------------------
+def test_fused_training_curve_matches_reference(tmp_path, data_dir):
+    runs = {}
+    for impl in ("reference", "fused"):
+        out = str(tmp_path / impl)
+        r = run_train(out, data_dir, "--max_steps=30", "--eval_interval=30", f"--routing_impl={impl}", "--route_heads=2",
+                      "--batch_tokens=256")   # one micro-step per step: the CPU interpreter is slow
+        assert r.returncode == 0, r.stdout + r.stderr
+        runs[impl] = read_log(out)
+    a, b = runs["reference"], runs["fused"]
+    diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
+    assert len(a[0]) == 30 and diff < 1e-4, diff
+
+
+def test_cpu_run_with_defaults_says_why_graphs_and_fused_routing_are_off(tmp_path, data_dir):
+    """The defaults (cuda_graph=True, routing_impl='auto') are the fast path on a GPU; on a CPU the run still works,
+    and one line each says why graphs are off and which routing runs."""
+    r = run_train(str(tmp_path / "g"), data_dir, "--max_steps=1", "--device=cpu")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "CUDA graphs: off (they need CUDA, the device is cpu)" in out
+    assert out.count("routing (routing_impl='auto'): the reference PyTorch routing, since the model is on cpu") == 1
+    assert "reference routing, routing_impl=auto" in out
+
+
+def test_graph_plan():
+    """Where CUDA graphs apply (train.graph_plan): CUDA without FSDP, unless --cuda_graph=False; else why not."""
+    assert train.graph_plan(True, "cuda:0", False)[0] is True
+    for args, why in [((True, "cuda:0", True), "FSDP"), ((True, "cpu", False), "need CUDA"),
+                      ((False, "cuda:0", False), "--cuda_graph=False")]:
+        on, reason = train.graph_plan(*args)
+        assert on is False and why in reason, reason
+
 
 def strict_log(out_dir):
     """Every line of log.jsonl as strict JSON (a bare NaN or Infinity is an error)."""
@@ -1189,6 +1106,40 @@ def test_nonfinite_weights_are_never_saved(tmp_path, data_dir, extra):
     strict_log(out)
 
 
+def test_ddp_two_processes_match_one(tmp_path, data_dir):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    r1 = run_train(one, data_dir, "--max_steps=12", "--eval_interval=6")
+    r2 = run_train(two, data_dir, "--max_steps=12", "--eval_interval=6", "--grad_sync=overlap", nproc=2)
+    assert r1.returncode == 0 and r2.returncode == 0, r2.stdout + r2.stderr
+    assert "2 processes x 1 micro-steps" in r2.stdout and "1 processes x 2 micro-steps" in r1.stdout
+    assert "gradients: one process, nothing to average" in r1.stdout
+    assert "gradients: DDP's bucketed all-reduce during the backward (--grad_sync=overlap is for graphed" in r2.stdout
+    a, b = read_log(one), read_log(two)
+    diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
+    assert sorted(a[0]) == sorted(b[0]) and diff < 1e-4, diff
+    assert max(abs(a[1][s]["val_loss"] - b[1][s]["val_loss"]) for s in a[1]) < 1e-4
+
+
+def test_fsdp_two_processes_match_one(tmp_path, data_dir):
+    """FSDP2 (gloo, 2 CPU processes) follows the single-process curve of the same bf16-compute model."""
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    r1 = run_train(one, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=1)
+    r2 = run_train(two, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=2)
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stdout + r2.stderr
+    assert "FSDP2 mixed precision" in r2.stdout
+    a, b = read_log(one), read_log(two)
+    assert max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0]) < 2e-2   # bf16 compute, other reduction order
+    assert a[0][6]["loss"] < a[0][1]["loss"]
+    # a checkpoint saved under FSDP resumes (full state dicts on rank 0, broadcast back)
+    r = run_train(two, data_dir, "--max_steps=8", "--eval_interval=3", "--fsdp=True", "--init_from=resume", nproc=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(read_log(two)[0]) == list(range(1, 9))
+
+
+# =====================================================================================================================
+# checkpoint.py: what a run keeps in out_dir (checkpoints, log, lock) and its stops
+# =====================================================================================================================
+
 def test_log_with_a_partial_last_line_resumes_and_plots(tmp_path, data_dir):
     """A log.jsonl whose last line was cut short (disk full, power loss): resume cuts it (one line says so), moves the
     records past the checkpoint aside, and eval.py --plot reads the log; a bad line mid-file is an error naming it."""
@@ -1210,7 +1161,7 @@ def test_log_with_a_partial_last_line_resumes_and_plots(tmp_path, data_dir):
         f.seek(0)
         f.writelines(lines[:2] + ["not json\n"] + lines[2:])
     with pytest.raises(ValueError, match=r"log.jsonl, line 3: not JSON"):
-        train.read_log(log)
+        checkpoint.read_log(log)
 
 
 def test_one_run_per_out_dir(tmp_path, data_dir):
@@ -1272,15 +1223,15 @@ def test_save_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
     path = str(tmp_path / "ckpt.pt")
     for step in (1, 2):
-        train.save_checkpoint(path, model, opt, None, step, {}, cfg, rt)
+        checkpoint.save_checkpoint(path, model, opt, None, step, {}, cfg, rt)
     real_save = torch.save
 
     def full_disk(obj, f):
         real_save({"half": torch.zeros(1000)}, f)
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(train.CheckpointWriteError) as e:
-        train.save_checkpoint(path, model, opt, None, 3, {}, cfg, rt)
+    with pytest.raises(checkpoint.CheckpointWriteError) as e:
+        checkpoint.save_checkpoint(path, model, opt, None, 3, {}, cfg, rt)
     assert "saving the step-3 checkpoint failed: no space left on the device of" in str(e.value)
     assert f"Intact: {path} (step 2), {tmp_path / 'ckpt.prev.pt'} (step 1)" in str(e.value)
     assert not os.path.exists(path + ".tmp")
@@ -1313,25 +1264,15 @@ def test_sigterm_saves_and_the_resumed_run_matches(tmp_path, data_dir):
     assert r.returncode == 0 and "nothing to train" in r.stdout
 
 
-def test_ddp_two_processes_match_one(tmp_path, data_dir):
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    r1 = run_train(one, data_dir, "--max_steps=12", "--eval_interval=6")
-    r2 = run_train(two, data_dir, "--max_steps=12", "--eval_interval=6", "--grad_sync=overlap", nproc=2)
-    assert r1.returncode == 0 and r2.returncode == 0, r2.stdout + r2.stderr
-    assert "2 processes x 1 micro-steps" in r2.stdout and "1 processes x 2 micro-steps" in r1.stdout
-    assert "gradients: one process, nothing to average" in r1.stdout
-    assert "gradients: DDP's bucketed all-reduce during the backward (--grad_sync=overlap is for graphed" in r2.stdout
-    a, b = read_log(one), read_log(two)
-    diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
-    assert sorted(a[0]) == sorted(b[0]) and diff < 1e-4, diff
-    assert max(abs(a[1][s]["val_loss"] - b[1][s]["val_loss"]) for s in a[1]) < 1e-4
-
+# =====================================================================================================================
+# graphs.py: CUDA graphs (training and decode steps) and the gradient average
+# =====================================================================================================================
 
 OVERLAP_WORKER = """
 import sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import train
+import graphs
 from model import GPT, GPTConfig
 dist.init_process_group("gloo")
 rank, residual, bucket_mb = dist.get_rank(), sys.argv[2], float(sys.argv[3])
@@ -1342,7 +1283,7 @@ models[1].load_state_dict(models[0].state_dict())
 for m in models:
     m.checkpoint_sublayers = sys.argv[5] == "True"   # recomputed sublayers: each gradient still completes once
 ref_params, params = ([p for p in m.parameters() if p.requires_grad] for m in models)
-sync = train.OverlappedGradSync(params, bucket_mb)
+sync = graphs.OverlappedGradSync(params, bucket_mb)
 for step in range(3):   # the first step records the order, the others run the buckets
     batches = [torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(100 * step + 10 * rank + k))
                for k in range(2)]   # another batch on each process
@@ -1350,7 +1291,7 @@ for step in range(3):   # the first step records the order, the others run the b
         p.grad = None
     for b in batches:   # the reference: accumulate, then one all-reduce after
         (models[0](b[:, :-1], b[:, 1:])[1] / 2).backward()
-    train.sync_grads(ref_params, 2)
+    graphs.sync_grads(ref_params, 2)
     sync.zero_grad()
     for k, b in enumerate(batches):
         sync.begin(last=k == 1)
@@ -1369,7 +1310,7 @@ dist.destroy_process_group()
                                                               ("mhar", 0.01, True)])
 def test_overlapped_grad_sync_matches_one_all_reduce(tmp_path, residual, bucket_mb, checkpointing):
     """--grad_sync=overlap's reducer (2 CPU processes, gloo; eager, where the graphed step captures the same hooks):
-    the gradients averaged bucket by bucket during the backward equal train.sync_grads' one all-reduce after it, every
+    the gradients averaged bucket by bucket during the backward equal graphs.sync_grads' one all-reduce after it, every
     bucket was launched by the backward's hooks, and every .grad is a view into the one buffer; also with many
     buckets and with recomputed (checkpointed) sublayers."""
     worker = tmp_path / "worker.py"
@@ -1386,74 +1327,6 @@ def test_overlapped_grad_sync_matches_one_all_reduce(tmp_path, residual, bucket_
         assert float(diff) <= 1e-7 and views == "True" and launched == buckets and (int(buckets) > 5) == (bucket_mb < 1)
 
 
-def test_fused_training_curve_matches_reference(tmp_path, data_dir):
-    runs = {}
-    for impl in ("reference", "fused"):
-        out = str(tmp_path / impl)
-        r = run_train(out, data_dir, "--max_steps=30", "--eval_interval=30", f"--routing_impl={impl}", "--route_heads=2",
-                      "--batch_tokens=256")   # one micro-step per step: the CPU interpreter is slow
-        assert r.returncode == 0, r.stdout + r.stderr
-        runs[impl] = read_log(out)
-    a, b = runs["reference"], runs["fused"]
-    diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
-    assert len(a[0]) == 30 and diff < 1e-4, diff
-
-
-def test_fsdp_two_processes_match_one(tmp_path, data_dir):
-    """FSDP2 (gloo, 2 CPU processes) follows the single-process curve of the same bf16-compute model."""
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    r1 = run_train(one, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=1)
-    r2 = run_train(two, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=2)
-    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stdout + r2.stderr
-    assert "FSDP2 mixed precision" in r2.stdout
-    a, b = read_log(one), read_log(two)
-    assert max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0]) < 2e-2   # bf16 compute, other reduction order
-    assert a[0][6]["loss"] < a[0][1]["loss"]
-    # a checkpoint saved under FSDP resumes (full state dicts on rank 0, broadcast back)
-    r = run_train(two, data_dir, "--max_steps=8", "--eval_interval=3", "--fsdp=True", "--init_from=resume", nproc=2)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(read_log(two)[0]) == list(range(1, 9))
-
-
-def test_fsdp_delta_and_old_scalar_checkpoints(tmp_path, corpus):
-    """The 8B mid-training path at toy size: a converted delta model under FSDP2 (2 CPU processes, gloo) with
-    per-sublayer activation checkpointing saves and resumes. FSDP2 shards no 0-dim parameters, so the delta gate
-    is shape (1,); a checkpoint from before that change (0-dim alpha and AdamW moments) still loads and resumes."""
-    hf_dir, conv, data, out = (str(tmp_path / n) for n in ("hf", "conv", "data", "run"))
-    write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
-    tok = write_tiny_tokenizer(os.path.join(hf_dir, "tokenizer.json"))
-    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={conv}", "--num_blocks=2", "--route_heads=4", "--check_batches=1"])
-    prepare_data.prepare(input=corpus, out_dir=data, tokenizer=tok, val_fraction=0.05, max_tokens=30000, workers=1)
-    args = [os.path.join(HERE, "config", "midtrain_8b_delta.py"), f"--data_dir={data}", f"--out_dir={out}",
-            "--block_size=64", "--batch_tokens=256", "--micro_batch=1", "--warmup_steps=2", "--lr_decay_steps=8",
-            "--eval_interval=3", "--eval_tokens=128", "--ema_decay=0.9", "--device=cpu", "--compile=False",
-            "--routing_impl=reference"]
-    dist = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(dist + args + [f"--init_from={conv}", "--max_steps=3"], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "FSDP2 mixed precision" in r.stdout and "residual=delta" in r.stdout
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    assert ckpt["model"]["routes.0.alpha"].shape == (1,) and ckpt["step"] == 3
-    r = subprocess.run(dist + args + ["--init_from=resume", "--max_steps=4"], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "resumed from" in r.stdout and sorted(read_log(out)[0]) == [1, 2, 3, 4]
-    # the same checkpoint as an older version wrote it (0-dim gates, moments and EMA), resumed in one process
-    old = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    for part in (old["model"], old["ema"], *old["optimizer"]["state"].values()):
-        for k, v in part.items():
-            if k.endswith(".alpha") or (k in ("exp_avg", "exp_avg_sq") and v.shape == (1,)):
-                part[k] = v.reshape(())
-    assert sum(v.dim() == 0 for v in old["model"].values()) == 8   # one gate per site
-    torch.save(old, os.path.join(out, "ckpt.pt"))
-    model = GPT.from_checkpoint(out)
-    assert model.routes[0].alpha.shape == (1,)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args, "--init_from=resume", "--max_steps=5"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(read_log(out)[0]) == [1, 2, 3, 4, 5]
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device (run on a GPU machine)")
 @pytest.mark.parametrize("residual,kw", [("baseline", {}), ("hyper", {}), ("attnres", dict(routing_impl="fused")),
                                          ("mhar", dict(routing_impl="fused")), ("mhar", dict(routing_impl="reference"))])
@@ -1468,7 +1341,7 @@ def test_cuda_graph_microstep_matches_eager(residual, kw):
         m = GPT(tiny_cfg(residual=residual, **kw)).cuda()
         randomize_routing(m)
         opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), fused=True)
-        micro = train.GraphedMicrostep(m, autocast, loss_scale=0.5) if graphed else None
+        micro = graphs.GraphedMicrostep(m, autocast, loss_scale=0.5) if graphed else None
         gen = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(4):
@@ -1493,65 +1366,47 @@ def test_cuda_graph_microstep_matches_eager(residual, kw):
         assert rel_err(a, b) < 1e-4
 
 
-def test_cpu_run_with_defaults_says_why_graphs_and_fused_routing_are_off(tmp_path, data_dir):
-    """The defaults (cuda_graph=True, routing_impl='auto') are the fast path on a GPU; on a CPU the run still works,
-    and one line each says why graphs are off and which routing runs."""
-    r = run_train(str(tmp_path / "g"), data_dir, "--max_steps=1", "--device=cpu")
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out
-    assert "CUDA graphs: off (they need CUDA, the device is cpu)" in out
-    assert out.count("routing (routing_impl='auto'): the reference PyTorch routing, since the model is on cpu") == 1
-    assert "reference routing, routing_impl=auto" in out
-
-
-def test_graph_plan():
-    """Where CUDA graphs apply (train.graph_plan): CUDA without FSDP, unless --cuda_graph=False; else why not."""
-    assert train.graph_plan(True, "cuda:0", False)[0] is True
-    for args, why in [((True, "cuda:0", True), "FSDP"), ((True, "cpu", False), "need CUDA"),
-                      ((False, "cuda:0", False), "--cuda_graph=False")]:
-        on, reason = train.graph_plan(*args)
-        assert on is False and why in reason, reason
-
-
-def test_auto_routing_picks_reference_on_cpu_and_says_so(capsys):
-    """routing_impl='auto' (the default) takes the reference routing on a CPU, even under TRITON_INTERPRET=1 (the
-    interpreter is for tests), and says so once; explicit 'fused' runs the kernels there under the interpreter."""
-    GPT._said.clear()
-    m = GPT(tiny_cfg(routing_impl="auto"))
-    assert m.cfg.routing_impl == "auto" and GPTConfig.routing_impl == "auto"
-    assert m.routing_path("cpu") == "reference" and m.routing_path("cpu") == "reference"
-    assert capsys.readouterr().err.count("routing (routing_impl='auto'): the reference PyTorch routing, since the "
-                                         "model is on cpu") == 1
-    if rk.available("cpu"):
-        assert GPT(tiny_cfg(routing_impl="fused")).routing_path("cpu") == "fused"
-    if torch.cuda.is_available() and rk.triton is not None:
-        assert m.routing_path("cuda") == "fused"
-        assert GPT(tiny_cfg(routing_impl="auto", n_embd=48, route_heads=4)).routing_path("cuda") == "reference"   # D 12
-        assert "head width d/H = 48/4 = 12 is below 16" in capsys.readouterr().err
+CAPTURE_FAILURE_WORKER = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import graphs
+from model import GPT, GPTConfig
+m = GPT(GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=48, ffn_hidden=64,
+                  residual="baseline", routing_impl="reference")).cuda()
+forward = m.forward
+m.forward = lambda *a, **k: (forward(*a, **k)[0], forward(*a, **k)[1] + 0 * float(m.wte.weight[0, 0].item()))
+micro = graphs.GraphedMicrostep(m, torch.autocast("cuda", dtype=torch.bfloat16), warmup=1)
+x = torch.randint(0, 96, (2, 16), device="cuda")
+try:
+    micro(x, x)
+    print("captured")
+except graphs.GraphCaptureError as e:
+    print("error:", e)
+print("grads unset:", all(p.grad is None for p in m.parameters()))
+_, loss = m(x, x)   # eager work goes on
+loss.backward()
+print("eager loss finite:", bool(torch.isfinite(loss)))
+"""
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device (run on a GPU machine)")
 def test_cuda_graph_capture_failure_is_reported_and_undone():
     """A model that cannot be captured (here: a host sync in forward) raises GraphCaptureError, with the
-    gradients as before the attempt, so that train.py can run the microbatch eagerly and say why."""
-    m = GPT(tiny_cfg(residual="baseline")).cuda()
-    forward = m.forward
-    m.forward = lambda *a, **k: (forward(*a, **k)[0], forward(*a, **k)[1] + 0 * float(m.wte.weight[0, 0].item()))
-    micro = train.GraphedMicrostep(m, torch.autocast("cuda", dtype=torch.bfloat16), warmup=1)
-    x = torch.randint(0, 96, (2, 16), device="cuda")
-    with pytest.raises(train.GraphCaptureError, match="capturing the graph of the first microbatch failed"):
-        micro(x, x)
-    assert all(p.grad is None for p in m.parameters())
-    _, loss = m(x, x)   # eager work goes on
-    loss.backward()
-    assert torch.isfinite(loss)
+    gradients as before the attempt, so that train.py can run the microbatch eagerly and say why. In a process of its
+    own: after a failed capture torch's CUDA random generator stays in capture state (torch 2.11), and a later CUDA
+    random draw in the same process fails ("Offset increment outside graph capture")."""
+    r = subprocess.run([sys.executable, "-c", CAPTURE_FAILURE_WORKER, HERE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "error: capturing the graph of the first microbatch failed" in r.stdout, r.stdout + r.stderr
+    assert "grads unset: True" in r.stdout and "eager loss finite: True" in r.stdout, r.stdout
 
 
 OVERLAP_GRAPH_WORKER = """
 import sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import train
+import graphs
 from model import GPT, GPTConfig
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", device_id=torch.device("cuda:0"))
@@ -1564,8 +1419,8 @@ for overlap in (False, True):
                       residual="mhar", routing_impl="fused")).cuda()
     params = [p for p in m.parameters() if p.requires_grad]
     opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), fused=True)
-    sync = train.OverlappedGradSync(params, bucket_mb=0.01) if overlap else None
-    micro = train.GraphedMicrostep(m, autocast, loss_scale=0.5, grad_sync=sync)
+    sync = graphs.OverlappedGradSync(params, bucket_mb=0.01) if overlap else None
+    micro = graphs.GraphedMicrostep(m, autocast, loss_scale=0.5, grad_sync=sync)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(4):
@@ -1573,7 +1428,7 @@ for overlap in (False, True):
             x = torch.randint(0, 96, (2, 33), generator=gen).cuda()
             losses.append(micro(x[:, :-1], x[:, 1:], first=k == 0, last=k == 1).item())
         if sync is None:
-            train.sync_grads(params, 1)
+            graphs.sync_grads(params, 1)
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         opt.step()
     runs.append((losses, [p.detach().float().clone() for p in m.parameters()]))
@@ -1628,9 +1483,101 @@ def test_ddp_cuda_graph_matches_ddp(tmp_path, data_dir):
     assert a[8]["loss"] < a[1]["loss"]   # the runs trained
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA (the step itself is tested above)")
+@pytest.mark.parametrize("residual", ["baseline", "mhar", "delta"])
+def test_decode_graph_replays_the_eager_steps(residual):
+    """generate's CUDA-graphed decode gives the eager cached decode's greedy tokens (fp32, B = 2, fused routing), also
+    after the cache restarts past block_size, and its captured logits are the eager step's."""
+    torch.manual_seed(0)
+    m = GPT(tiny_cfg(residual=residual, routing_impl="auto", num_blocks=2,
+                     **({"route_heads": 2} if residual == "delta" else {}))).cuda().eval()
+    randomize_routing(m)
+    with torch.no_grad():
+        for site in m.routing_sites():
+            if hasattr(site, "alpha"):
+                site.alpha.fill_(0.7)
+        prompt = torch.randint(0, 96, (2, 7), device="cuda")
+        eager = m.generate(prompt, 40, temperature=0, cuda_graph=False)   # block_size 32: restarts once
+        assert torch.equal(m.generate(prompt, 40, temperature=0, cuda_graph=True), eager)
+        cache = KVCache(m, 2)
+        m(prompt, cache=cache)
+        step = DecodeGraph.capture(m, cache, prompt[:, -1:])
+        assert step and cache.pos == 7
+        graphed = step(eager[:, 7:8]).clone()
+        cache.pos = 7
+        torch.testing.assert_close(graphed, DecodeGraph(m, cache, eager[:, 7:8])(eager[:, 7:8]), rtol=1e-5, atol=1e-5)
+
+
 # =====================================================================================================================
 # convert.py and delta mode: tiny checkpoints in Hugging Face layout, written here
 # =====================================================================================================================
+
+HF_CONFIGS = {
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=300, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                  tie_word_embeddings=True, hidden_act="silu", attention_bias=False, torch_dtype="float32"),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=259, hidden_size=64,
+                  intermediate_size=112, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False,
+                  rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 32, "rope_type": "llama3"},
+                  hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="float32"),
+}
+
+
+def write_hf_checkpoint(path, hf_config, seed=0, shards=2, rope_parameters=False):
+    """Random weights in Hugging Face layout (config.json, sharded safetensors, index); returns the same
+    weights as a model.py baseline, the reference for the conversion."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    cfg = convert.model_config(hf_config, num_blocks=1)
+    torch.manual_seed(seed)
+    base = GPT(GPTConfig.from_dict({**cfg.__dict__, "residual": "baseline"}))
+    with torch.no_grad():   # norms away from 1 so a mis-mapped norm shows
+        for name, p in base.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    hf_name = {}
+    for hf, ours in convert.NAMES.items():
+        for i in range(cfg.n_layer):
+            hf_name[ours.format(i=i)] = hf.format(i=i)
+    tensors = {hf_name[k]: v.contiguous() for k, v in base.state_dict().items()
+               if not (k == "lm_head.weight" and cfg.tie_embeddings)}
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, os.path.join(path, fname))
+        weight_map.update({n: fname for n in part})
+    json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    hf_config = dict(hf_config)
+    if rope_parameters:   # the layout recent transformers versions write
+        hf_config["rope_parameters"] = {"rope_theta": hf_config.pop("rope_theta"), **(hf_config.pop("rope_scaling", None) or {"rope_type": "default"})}
+    json.dump(hf_config, open(os.path.join(path, "config.json"), "w"))
+    return base
+
+
+def write_tiny_tokenizer(path):
+    """A byte-level BPE tokenizer.json with <|end_of_text|> (Llama 3's end-of-text name), 257 tokens."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=257, special_tokens=["<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world"], trainer)
+    tok.save(path)
+    return path
+
+
+def corpus_gpt2(tmp_path, corpus):
+    d = str(tmp_path / "gpt2data")
+    prepare_data.prepare(input=corpus, out_dir=d, val_fraction=0.05, max_tokens=20000, workers=1)
+    return d
+
 
 @pytest.mark.parametrize("arch,rope_parameters", [("qwen3", False), ("llama", False), ("llama", True)])
 def test_convert_is_bitwise_identity(tmp_path, arch, rope_parameters, capsys):
@@ -1782,9 +1729,97 @@ def test_checkpoint_without_tokenizer_is_refused(tmp_path):
         evaluate.load_model(conv, "cpu", tokenizer="cl100k_base")
 
 
+def test_fsdp_delta_saves_and_resumes(tmp_path, corpus):
+    """The 8B mid-training path at toy size: a converted delta model under FSDP2 (2 CPU processes, gloo) with
+    per-sublayer activation checkpointing saves and resumes, then resumes again in one process without FSDP. FSDP2
+    shards no 0-dim parameters, so the delta gate is shape (1,)."""
+    hf_dir, conv, data, out = (str(tmp_path / n) for n in ("hf", "conv", "data", "run"))
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
+    tok = write_tiny_tokenizer(os.path.join(hf_dir, "tokenizer.json"))
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={conv}", "--num_blocks=2", "--route_heads=4", "--check_batches=1"])
+    prepare_data.prepare(input=corpus, out_dir=data, tokenizer=tok, val_fraction=0.05, max_tokens=30000, workers=1)
+    args = [os.path.join(HERE, "config", "midtrain_8b_delta.py"), f"--data_dir={data}", f"--out_dir={out}",
+            "--block_size=64", "--batch_tokens=256", "--micro_batch=1", "--warmup_steps=2", "--lr_decay_steps=8",
+            "--eval_interval=3", "--eval_tokens=128", "--ema_decay=0.9", "--device=cpu", "--compile=False",
+            "--routing_impl=reference"]
+    dist = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(dist + args + [f"--init_from={conv}", "--max_steps=3"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FSDP2 mixed precision" in r.stdout and "residual=delta" in r.stdout
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["model"]["routes.0.alpha"].shape == (1,) and ckpt["step"] == 3
+    r = subprocess.run(dist + args + ["--init_from=resume", "--max_steps=4"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and sorted(read_log(out)[0]) == [1, 2, 3, 4]
+    model = GPT.from_checkpoint(out)   # the FSDP run's checkpoint, resumed in one process
+    assert model.routes[0].alpha.shape == (1,)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args, "--init_from=resume", "--max_steps=5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(read_log(out)[0]) == [1, 2, 3, 4, 5]
+
+
 # =====================================================================================================================
 # eval.py: every metric against a direct, unbatched computation in the test
 # =====================================================================================================================
+
+EVAL = os.path.join(SHARED, "eval")
+
+
+@pytest.fixture(scope="session")
+def eval_ckpt(tmp_path_factory):
+    """Tiny MHAR (H = 2) and attention-residual (H = 1) checkpoints with the GPT-2 tokenizer, live routing."""
+    paths = {}
+    for residual, H in (("mhar", 2), ("attnres", 1)):
+        torch.manual_seed(3)
+        cfg = GPTConfig(vocab_size=50304, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64,
+                        block_size=32, residual=residual, route_heads=H)
+        model = GPT(cfg)
+        with torch.no_grad():
+            for site in model.routing_sites():
+                site.q.normal_(0.0, 1.0)
+        out = tmp_path_factory.mktemp(f"eval_{residual}")
+        torch.save({"model": model.state_dict(), "model_config": cfg.__dict__, "step": 0, "tokenizer": "gpt2",
+                    "train_config": {"block_size": 32}}, out / "ckpt.pt")
+        paths[residual] = str(out)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def eval_root(tmp_path_factory):
+    """Small eval sets in --data_root layout: the shared files' first examples (or stand-ins without them)."""
+    root = tmp_path_factory.mktemp("evaldata")
+    wiki = os.path.join(EVAL, "wikitext-2-raw", "wiki.test.raw")
+    text = open(wiki, encoding="utf-8").read()[:400] if os.path.isfile(wiki) else \
+        " = Valkyria Chronicles = \n\n Senjo no Valkyria is a tactical role @-@ playing game developed by Sega . \n" * 3
+    lam = os.path.join(EVAL, "lambada", "lambada_test.jsonl")
+    texts = [json.loads(line)["text"] for line in open(lam)][:3] if os.path.isfile(lam) else \
+        ["She opened the door and saw her brother", "He put the book back on the shelf"]
+    texts.append("The word he could never spell was floccinaucinihilipilification")   # a many-token last word
+    hs = os.path.join(EVAL, "hellaswag", "hellaswag_val.jsonl.xz")
+    rows = [json.loads(line) for line in lzma.open(hs, "rt")][:5] if os.path.isfile(hs) else \
+        [{"ctx": "A man is sitting on a roof. he", "endings": ["is eating.", "starts pulling up roofing.", "flies.", "sings."],
+          "label": 1}] * 3
+    for rel, content in (("wikitext-2-raw/wiki.test.raw", text), ("wikitext-2-raw/wiki.valid.raw", text[::-1]),
+                         ("lambada/lambada_test.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts)),
+                         ("hellaswag/hellaswag_val.jsonl", "".join(json.dumps(r) + "\n" for r in rows))):
+        os.makedirs(os.path.dirname(root / rel), exist_ok=True)
+        (root / rel).write_text(content, encoding="utf-8")
+    return str(root)
+
+
+def direct_logprob(model, ids, target_pos):
+    """log p(ids[t] | ids[:t]) for each t in target_pos, one unbatched forward per call; and greedy hits."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0][0].double()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[t - 1, ids[t]].item() for t in target_pos], [logits[t - 1].argmax().item() == ids[t] for t in target_pos]
+
+
+def _request(*args):
+    return types.SimpleNamespace(args=args)
+
 
 def test_wikitext_protocol_matches_direct(eval_ckpt, eval_root):
     model, enc = evaluate.load_model(eval_ckpt["mhar"], "cpu")
@@ -1862,10 +1897,6 @@ def test_eval_cli_json_and_errors(eval_ckpt, eval_root, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", *bad])
         assert msg in str(e.value), (bad, e.value)
-
-
-def _request(*args):
-    return types.SimpleNamespace(args=args)
 
 
 def test_harness_model_matches_direct_computation(eval_ckpt):
@@ -2015,6 +2046,30 @@ def test_bench_generate_smoke(tmp_path):
     assert all(r["tok_s"] > 0 for r in rows) and json.load(open(tmp_path / "g.json"))["rows"] == rows
 
 
+def test_bench_authors_file_errors(tmp_path):
+    """bench.py routing --authors=PATH loads the user's copy of the authors' kernel file; a wrong path or file is a
+    one-line error naming it."""
+    with pytest.raises(SystemExit, match="no such file"):
+        bench.load_authors(str(tmp_path / "missing.py"))
+    (tmp_path / "other.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="has no MHARFusedContext, _FusedMHARFn"):
+        bench.load_authors(str(tmp_path / "other.py"))
+
+
+def test_bench_routing_check():
+    """bench.py routing --check-only: the fused chain against the reference (fp32 at an awkward shape; on a GPU also
+    bf16 at the paper's shapes), in Triton's interpreter on a CPU."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "routing", "--check-only"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"check N=5 .* out (\S+) d_source0 (\S+) dq (\S+) dg (\S+)", r.stdout)
+    assert m and all(float(v) < 1e-5 for v in m.groups()), r.stdout
+
+
+# =====================================================================================================================
+# results/: the study drivers and report scripts
+# =====================================================================================================================
+
 def test_temperature_study_report_pairs_seeds(tmp_path):
     """results/temperature_study/report.py: runs parsed from their names, paired per-seed deltas, mean, SE and t
     (here on three hand-made logs per config: a test of the arithmetic, not a result)."""
@@ -2131,23 +2186,3 @@ def test_multigpu_scaling_table(tmp_path):
     rows = [line for line in r.stdout.splitlines() if line.startswith("| 1b")]
     assert rows == ["| 1b | mhar | after | 1,000, 7,600 | 7.60x, 95.0% | 0.0100 / 0.0005 | 0.0200 / 0.0010 | +0.0100, +0.0200 |",
                     "| 1b | mhar | overlap | 1,000, 7,900 | 7.90x, 98.8% | 0.0100 / 0.0005 | 0.0200 / 0.0010 | +0.0100, +0.0200 |"]
-
-
-def test_bench_authors_file_errors(tmp_path):
-    """bench.py routing --authors=PATH loads the user's copy of the authors' kernel file; a wrong path or file is a
-    one-line error naming it."""
-    with pytest.raises(SystemExit, match="no such file"):
-        bench.load_authors(str(tmp_path / "missing.py"))
-    (tmp_path / "other.py").write_text("x = 1\n")
-    with pytest.raises(SystemExit, match="has no MHARFusedContext, _FusedMHARFn"):
-        bench.load_authors(str(tmp_path / "other.py"))
-
-
-def test_bench_routing_check():
-    """bench.py routing --check-only: the fused chain against the reference (fp32 at an awkward shape; on a GPU also
-    bf16 at the paper's shapes), in Triton's interpreter on a CPU."""
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "routing", "--check-only"], capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    m = re.search(r"check N=5 .* out (\S+) d_source0 (\S+) dq (\S+) dg (\S+)", r.stdout)
-    assert m and all(float(v) < 1e-5 for v in m.groups()), r.stdout

@@ -8,28 +8,24 @@ Train a GPT with any residual mode (baseline | hyper | attnres | mhar | delta) o
 Options: the model's (model.GPTConfig) and training's (TrainConfig below), then config files in order (plain Python
 assignments), then --key=value. The global batch is given in tokens; gradient accumulation is derived, so 1 and N
 processes run the same optimisation. Recipe (paper section 3.1, Appendix I): AdamW 0.9 / 0.95, weight decay 0.1 on
-every parameter, clip 1.0, linear warmup then cosine to 0.1x, a fixed validation set, the tail-mean of the last 11
-evals.
+every parameter, clip 1.0, linear warmup then cosine to 0.1x, a fixed validation set, the tail-mean of the last 11 evals.
 
 Stages, in the order main() runs them: parse_args -> setup_runtime (processes, device, precision) -> load_data ->
-resolve_start (scratch / resume / converted checkpoint) -> build_model, restore -> the loop (GraphedMicrostep or eager
-microsteps, sync_grads, clip, AdamW, EMA, StepLog) with evaluate and save_checkpoint at every eval_interval.
+resolve_start (scratch / resume / converted checkpoint) -> build_model, restore -> the loop: run_microbatches
+(graphed or eager), optimizer_step (average, clip, AdamW), EMA, StepLog; evaluate and save_checkpoint every
+eval_interval.
+What a run keeps in out_dir (checkpoints, log, lock, stops) is checkpoint.py's; CUDA graphs and the gradient average
+are graphs.py's.
 """
 import ast
-import atexit
 import difflib
-import errno
-import functools
 import inspect
 import json
 import math
 import os
 import platform
-import random
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,13 +36,11 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import GPT, GPTConfig, previous_checkpoint, read_checkpoint, upgrade_state
+from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, load_latest, lock_out_dir, previous_checkpoint,
+                        read_checkpoint, read_log, restore, save_checkpoint, trim_log)
+from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync_grads
+from model import GPT, GPTConfig
 from prepare_data import TokenData
 
 
@@ -171,18 +165,15 @@ def parse_args(argv):
                          ("param_dtype", ("float32", "bfloat16")), ("grad_sync", ("after", "overlap"))):
         if getattr(cfg, key) not in allowed:
             raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
-    for key in ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr",
-                "grad_bucket_mb"):
-        if getattr(cfg, key) <= 0:
-            raise ValueError(f"{key}={getattr(cfg, key)} must be positive")
-    for key in ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps"):
-        if getattr(cfg, key) < 0:
-            raise ValueError(f"{key}={getattr(cfg, key)} must be >= 0")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        raise ValueError(f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1] (the decay ends at lr * min_lr_ratio)")
-    for key in ("beta1", "beta2", "ema_decay"):
-        if not 0 <= getattr(cfg, key) < 1:
-            raise ValueError(f"{key}={getattr(cfg, key)} must be in [0, 1)")
+    positive = ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr",
+                "grad_bucket_mb")
+    for rule, ok, keys in (("must be positive", lambda v: v > 0, positive),
+                           ("must be >= 0", lambda v: v >= 0, ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps")),
+                           ("must be in [0, 1] (the decay ends at lr * min_lr_ratio)", lambda v: 0 <= v <= 1, ("min_lr_ratio",)),
+                           ("must be in [0, 1)", lambda v: 0 <= v < 1, ("beta1", "beta2", "ema_decay"))):
+        for key in keys:
+            if not ok(getattr(cfg, key)):
+                raise ValueError(f"{key}={getattr(cfg, key)} {rule}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise ValueError(f"device={cfg.device!r} is not one of auto, cpu, cuda, cuda:N")
     GPTConfig(vocab_size=128, **{k: getattr(cfg, k) for k in MODEL_KEYS})   # model errors now, not after data
@@ -201,6 +192,10 @@ def git_revision():
 
 def fail(msg):
     sys.exit(f"train.py: error: {msg}")
+
+
+def is_dtensor(t):   # an FSDP2 shard? (torch.distributed.tensor is imported by FSDP runs alone: no module, no DTensor)
+    return "torch.distributed.tensor" in sys.modules and isinstance(t, sys.modules["torch.distributed.tensor"].DTensor)
 
 
 # ---- runtime: processes, device, precision ---------------------------------------------------------------------------
@@ -310,7 +305,7 @@ def load_data(cfg, world):
         fail(f"{meta_path} not found; run prepare_data.py --out_dir={cfg.data_dir} first")
     try:
         meta = json.load(open(meta_path))
-        missing = [k for k in ("tokenizer", "vocab_size", "dtype", "train_tokens") if k not in meta]
+        missing = [k for k in ("tokenizer", "tokenizer_id", "vocab_size", "dtype", "train_tokens") if k not in meta]
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
         fail(f"{meta_path} is not prepare_data.py's JSON ({e}); prepare the data again (prepare_data.py --force)")
     if missing:
@@ -346,18 +341,19 @@ def resolve_start(cfg, meta, master):
     """(ckpt, init, model_cfg, model_source): the checkpoint to resume, or a convert.py checkpoint to start from, and
     the model's config; refuses anything that would overwrite a checkpoint or resume a different run."""
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    tok_id = lambda m: m.get("tokenizer_id", m["tokenizer"])   # older meta.json files have no tokenizer_id
     if cfg.init_from == "resume":
-        ckpt = load_latest(ckpt_path, master)
-        ckpt.update({k: upgrade_state(ckpt[k]) for k in ("model", "optimizer", "ema") if ckpt.get(k) is not None})
-        old = {**ckpt["model_config"], **ckpt["train_config"]}   # older checkpoints name fewer model keys in the latter
+        try:
+            ckpt = load_latest(ckpt_path, master)
+        except ValueError as e:
+            fail(e)
+        old = ckpt["train_config"]
         skip = RESUMABLE | (set(MODEL_KEYS) if ckpt.get("model_source", "config") != "config" else set())
         diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in skip and old.get(k) != v]
         old_horizon = old["lr_decay_steps"] if old["lr_decay_steps"] > 0 else old["max_steps"]
         if old_horizon != horizon(cfg):
             diff.append(f"decay horizon (lr_decay_steps, -1 = max_steps): {old_horizon} -> {horizon(cfg)}; "
                         f"pass --lr_decay_steps={old_horizon} to keep the old schedule")
-        for name, old_v, new_v in (("tokenizer", tok_id(ckpt["meta"]), tok_id(meta)),
+        for name, old_v, new_v in (("tokenizer", ckpt["meta"].get("tokenizer_id"), meta["tokenizer_id"]),
                                    ("train_tokens", ckpt["meta"]["train_tokens"], meta["train_tokens"])):
             if old_v != new_v:
                 diff.append(f"data {name}: {old_v!r} -> {new_v!r}")
@@ -385,8 +381,7 @@ def resolve_start(cfg, meta, master):
     except ValueError as e:
         fail(e)
     refuse_ignored_architecture(cfg, init["model_config"], path)
-    init["model"] = upgrade_state(init["model"])
-    if init.get("tokenizer_id") is not None and tok_id(meta) != init["tokenizer_id"]:
+    if init.get("tokenizer_id") is not None and meta["tokenizer_id"] != init["tokenizer_id"]:
         fail(f"{cfg.data_dir} was tokenized with {meta['tokenizer']!r} but the model in {path} uses "
              f"{init['tokenizer']!r}: prepare the data with --tokenizer set to the model's tokenizer (its tokenizer.json)")
     if meta["vocab_size"] > init["model_config"]["vocab_size"]:
@@ -405,31 +400,6 @@ def refuse_ignored_architecture(cfg, model_config, path):
              + ". Drop them (--block_size and --routing_impl may differ)")
 
 
-def load_latest(ckpt_path, master):
-    """The checkpoint to resume: ckpt_path, or, when it is missing or unreadable, the one before it (one line says
-    so; the unreadable file is moved aside, never deleted). Fails naming both files when neither can be read."""
-    prev, errors = previous_checkpoint(ckpt_path), []
-    for path in (ckpt_path, prev):
-        if not os.path.isfile(path):
-            errors.append(f"{path} does not exist")
-            continue
-        try:
-            ckpt = read_checkpoint(path)
-        except ValueError as e:
-            errors.append(str(e).split(";")[0])
-            continue
-        if path == prev and master:
-            aside = None
-            if os.path.isfile(ckpt_path):
-                aside = f"{ckpt_path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
-                os.replace(ckpt_path, aside)
-            print(f"train.py: {errors[0]}; resuming from the checkpoint before it, {prev} (step {ckpt['step']})"
-                  + (f"; the unreadable file is now {aside}" if aside else ""))
-        return ckpt
-    fail("--init_from=resume but no checkpoint can be read: " + "; ".join(errors)
-         + ". Start again with --init_from=scratch in a new --out_dir")
-
-
 # ---- model, optimizer and their state --------------------------------------------------------------------------------
 
 def build_model(mcfg, cfg, device, param_dtype, state, master):
@@ -441,13 +411,15 @@ def build_model(mcfg, cfg, device, param_dtype, state, master):
         for p in model.parameters():   # parameters only: the RoPE tables stay fp32 with bf16 weights
             p.data = p.data.to(device, param_dtype, copy=True)   # a copy: never train in a mmap of the checkpoint
         return model.to(device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict   # FSDP's imports:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard   # ~0.7 s that only FSDP runs pay
     if state is None and master:   # scratch: rank 0 initialises, everyone receives the same weights
         state = GPT(mcfg).state_dict()
     with torch.device("meta"):
         model = GPT(mcfg)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # the mesh on the run's device type: FSDP2's default mesh takes CUDA whenever the machine has it, CPU runs too
-    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    mesh = dist.device_mesh.init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     for sub in model.sublayers():   # the unit of sharding is what forward calls: each attention and MLP
         fully_shard(sub, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -457,6 +429,21 @@ def build_model(mcfg, cfg, device, param_dtype, state, master):
     model.reset_buffers(device, torch.bfloat16)
     set_model_state_dict(model, state if master else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+def prepare_for_training(model, params, cfg, rt):
+    """The model the loop runs: sublayers compiled (--compile), wrapped in DDP for eager steps under torchrun; graphed
+    steps are not wrapped (DDP's hooks are not captured): every process starts from rank 0's weights, as under DDP,
+    and the gradients are averaged after each step's graphs (optimizer_step) or under their backward (overlap)."""
+    model.checkpoint_sublayers, model.z_loss = cfg.activation_checkpointing, cfg.z_loss
+    if cfg.compile:
+        model.compile_sublayers()
+    if rt.ddp and not cfg.fsdp and not rt.graphs:
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
+    if rt.ddp and not cfg.fsdp:
+        for t in [*params, *model.buffers()]:
+            dist.broadcast(t.detach(), 0)
     return model
 
 
@@ -490,225 +477,18 @@ class EMA:
     def load(self, state, device):
         for e, (name, p) in zip(self.shadow, self.named):
             full = state[name].to(device)
-            e.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
+            if is_dtensor(p):
+                full = sys.modules["torch.distributed.tensor"].distribute_tensor(full, p.device_mesh, p.placements)
+            e.copy_(full)
 
     def state_dict(self, master):
         """{name: full fp32 tensor on CPU} on rank 0 (every rank takes part in gathering sharded tensors)."""
         out = {}
         for (name, _), e in zip(self.named, self.shadow):
-            full = e.full_tensor() if isinstance(e, DTensor) else e
+            full = e.full_tensor() if is_dtensor(e) else e
             if master:
                 out[name] = full.cpu()
         return out
-
-
-def restore(ckpt, model, optimizer, ema, cfg, rt):
-    """Optimizer, EMA and RNG states of a resumed checkpoint (the weights are loaded by build_model); its step."""
-    if cfg.fsdp:
-        set_optimizer_state_dict(model, optimizer, ckpt["optimizer"] if rt.master else {},
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    else:
-        optimizer.load_state_dict(ckpt["optimizer"])
-    if ema is not None:
-        if ckpt.get("ema") is None:
-            fail("--ema_decay is set but the checkpoint has no EMA weights")
-        ema.load(ckpt["ema"], rt.device)
-    rng = ckpt["rng"][rt.rank] if rt.rank < len(ckpt["rng"]) else ckpt["rng"][0]
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if rt.device_type == "cuda" and rng.get("cuda") is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
-    return ckpt["step"]
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (its partial file is removed; the previous checkpoints are untouched)."""
-
-
-def save_checkpoint(path, model, optimizer, ema, step, extra, cfg, rt):
-    """Weights, optimizer, EMA, step, every rank's RNG states and `extra` (configs, data position) to `path`. Written
-    to a temp file, flushed to disk and read back (memory-mapped: the archive's index and records, not every byte)
-    before the rotation: the checkpoint it replaces becomes ckpt.prev.pt, so a crash at any point leaves one whole
-    checkpoint. Every rank takes part (FSDP gathers); a failed write raises CheckpointWriteError."""
-    t0 = time.time()
-    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state(rt.device) if rt.device_type == "cuda" else None}
-    rngs = [None] * rt.world
-    if rt.ddp:
-        dist.all_gather_object(rngs, rng)
-    else:
-        rngs = [rng]
-    if cfg.fsdp:   # gather full tensors on rank 0 (every rank takes part)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optim_state = get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
-    else:
-        model_state, optim_state = model.state_dict(), optimizer.state_dict()
-    ema_state = None if ema is None else ema.state_dict(rt.master)
-    if rt.master:
-        tmp = path + ".tmp"
-        try:
-            torch.save({"model": model_state, "optimizer": optim_state, "ema": ema_state, "step": step, "rng": rngs,
-                        **extra}, tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            read_checkpoint(tmp)
-        except Exception as e:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise CheckpointWriteError(write_failure(path, tmp, step, e)) from e
-        if os.path.exists(path):
-            os.replace(path, previous_checkpoint(path))
-        os.replace(tmp, path)
-        rt.say(f"saved {path} (step {step}, {os.path.getsize(path) / 1e9:.2f} GB) in {time.time() - t0:.1f} s")
-
-
-def write_failure(path, tmp, step, error):
-    """The one line for a checkpoint that could not be written: disk full or not, and which checkpoints are intact."""
-    folder = os.path.dirname(os.path.abspath(path))
-    free = shutil.disk_usage(folder).free
-    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error) \
-        or "unexpected pos" in str(error) or free < 2**20
-    why = (f"no space left on the device of {folder} ({free / 1e9:.2f} GB free)" if full
-           else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-    kept = []
-    for p in (path, previous_checkpoint(path)):
-        try:
-            kept.append(f"{p} (step {read_checkpoint(p)['step']})")
-        except (ValueError, FileNotFoundError):   # absent, or itself unreadable: not intact
-            pass
-    return (f"saving the step-{step} checkpoint failed: {why}, writing {tmp}; the partial file is removed. "
-            + (f"Intact: {', '.join(kept)}. " if kept else "No earlier checkpoint exists. ")
-            + ("Free some space, then continue with --init_from=resume" if full else "Fix the cause, then continue "
-               "with --init_from=resume"))
-
-
-# ---- log.jsonl, the out_dir lock, stop signals ------------------------------------------------------------------------
-
-def read_log(path, repair=False, say=print):
-    """The records of a log.jsonl. A last line cut short (a crash or a full disk mid-write) is left out, and with
-    repair also cut from the file (one line says so); any other line that is not JSON is an error naming the line."""
-    with open(path, "rb") as f:
-        data = f.read()
-    lines, records = data.split(b"\n"), []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except (ValueError, UnicodeDecodeError) as e:
-            if i < len(lines) - 1:   # a complete line (a newline follows) that is not JSON: not ours to guess
-                raise ValueError(f"{path}, line {i + 1}: not JSON ({e}); fix or remove that line") from None
-            if repair:
-                with open(path, "r+b") as f:
-                    f.truncate(len(data) - len(line))
-                say(f"{path}: removed a partial last line ({len(line)} bytes, written when the run stopped)")
-            return records
-    if repair and lines[-1].strip():   # a whole last record without its newline: the next one gets its own line
-        with open(path, "ab") as f:
-            f.write(b"\n")
-    return records
-
-
-def trim_log(path, step, say):
-    """Resuming at `step`: log.jsonl keeps the records up to it; those of later steps (the stopped run went past its
-    last checkpoint, and the resumed run writes them again) move to a side file, named in one line."""
-    records = read_log(path, repair=True, say=say)
-    later = [r for r in records if r.get("step", 0) > step]
-    if later:
-        side = f"{os.path.splitext(path)[0]}.after-step{step}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-        with open(side, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in later)
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step)
-        os.replace(path + ".tmp", path)
-        say(f"{path}: {len(later)} records after step {step} (the stopped run's, redone now) moved to {side}")
-
-
-def lock_out_dir(out_dir):
-    """One run per out_dir: out_dir/train.lock names this process (pid, host) until it exits. A lock whose process is
-    gone (same host) is taken over with one line; a live one, or one from another host, is refused. A run that
-    ends having written nothing leaves no empty out_dir behind."""
-    created = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    path, me = os.path.join(out_dir, "train.lock"), {"pid": os.getpid(), "host": socket.gethostname(),
-                                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                other = json.load(open(path))
-                pid, host, since = int(other["pid"]), other["host"], other.get("since", "?")
-            except (OSError, ValueError, KeyError, TypeError):
-                other = None   # unreadable: a lock being written this instant, or a broken one
-            if other is None:
-                time.sleep(0.2)
-                if os.path.exists(path) and time.time() - os.path.getmtime(path) > 5:
-                    os.remove(path)
-                continue
-            if host != me["host"]:
-                fail(f"{out_dir} is locked by a run on host {host} (pid {pid}, since {since}). If that run has ended, "
-                     f"delete {path}; else choose another --out_dir")
-            if pid_alive(pid):
-                fail(f"{out_dir} is in use by a running train.py (pid {pid}, since {since}); wait for it, stop it, "
-                     "or choose another --out_dir")
-            print(f"train.py: taking over {path} from pid {pid} (since {since}), which is no longer running")
-            os.remove(path)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        atexit.register(unlock_out_dir, path, me["pid"], created)
-        return path
-    fail(f"could not take {path}; delete it if no run uses {out_dir}")
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's live process
-        return True
-    return True
-
-
-def unlock_out_dir(path, pid, created):
-    try:
-        if json.load(open(path))["pid"] == pid:
-            os.remove(path)
-        if created and not os.listdir(os.path.dirname(path)):
-            os.rmdir(os.path.dirname(path))
-    except (OSError, ValueError, KeyError):
-        pass
-
-
-class StopSignals:
-    """SIGTERM (a cluster's preemption) or SIGINT (Ctrl-C) asks the loop to stop after the current step: it saves a
-    checkpoint and exits 143 / 130. A second signal exits at once. Under torchrun the processes agree on the step at
-    log-interval steps (an all-reduce of the request, where the log syncs anyway)."""
-
-    def __init__(self):
-        self.signum = None
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            sys.exit(128 + signum)
-        self.signum = signum
-        print(f"train.py: {signal.Signals(signum).name}: stopping after this step with a checkpoint (send it again to "
-              "stop at once)", file=sys.stderr, flush=True)
-
-    def requested(self, step, cfg, rt):
-        if not rt.ddp:
-            return self.signum is not None
-        if step % cfg.log_interval:
-            return False
-        flag = torch.tensor(self.signum or 0, device=rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.signum = self.signum or int(flag.item()) or None
-        return self.signum is not None
 
 
 # ---- the step's pieces -----------------------------------------------------------------------------------------------
@@ -725,8 +505,7 @@ def lr_at(cfg, s):
 def to_device(rows, rt):
     """(inputs, targets) on the device from (B, T+1) token rows."""
     rows = torch.from_numpy(rows)
-    rows = rows.pin_memory() if rt.device_type == "cuda" else rows
-    rows = rows.to(rt.device, non_blocking=True)
+    rows = (rows.pin_memory() if rt.device_type == "cuda" else rows).to(rt.device, non_blocking=True)
     return rows[:, :-1], rows[:, 1:]
 
 
@@ -744,197 +523,50 @@ def evaluate(model, data, cfg, rt):
     return (total[0] / total[1]).item()
 
 
-def sync_grads(params, world):
-    """Average the gradients over the processes in one all-reduce (DDP without its hooks: graphed steps)."""
-    grads = [p.grad for p in params]
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat)
-    flat.div_(world)
-    torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
+def run_microbatches(step, model, graphed, data, cfg, rt):
+    """A step's forward and backward over its data.accum microbatches, into the gradients: replayed as CUDA graphs
+    (graphed, a GraphedMicrostep), else eager (DDP's all-reduce, or FSDP's reduce-scatter, on the last one only).
+    Returns (the summed loss, on the device; graphed, or None once its capture has failed and the run went eager)."""
+    loss_sum = torch.zeros((), device=rt.device)
+    wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    for micro in range(data.accum):
+        first = step * data.seqs_per_step + (rt.rank * data.accum + micro) * cfg.micro_batch
+        x, y = to_device(data.train.train_batch(first, cfg.micro_batch), rt)
+        if graphed is not None:
+            try:
+                loss_sum += graphed(x, y, first=micro == 0, last=micro == data.accum - 1).float()
+                continue
+            except GraphCaptureError as e:   # this microbatch and the rest of the run go eager
+                rt.say(f"*** CUDA graphs off: {e}. The run continues with eager steps (--cuda_graph=False "
+                       "skips the attempt) ***")
+                graphed = None
+        sync = not rt.ddp or micro == data.accum - 1   # DDP all-reduces gradients on the last micro-step only
+        if cfg.fsdp:
+            model.set_requires_gradient_sync(sync)
+        with (model.no_sync() if wrapped and not sync else nullcontext()), rt.autocast:
+            _, loss = model(x, y)
+            (loss / data.accum).backward()
+        loss_sum += loss.detach().float()
+    return loss_sum, graphed
 
 
-class OverlappedGradSync:
-    """The gradient average of graphed steps, started during the backward instead of after it: DDP's bucketed
-    reducer in a form a CUDA graph can capture. Every .grad is a view into one flat buffer, laid out in the order the
-    backward finishes the gradients and cut into buckets of ~bucket_mb; a hook on each parameter launches its bucket's
-    all-reduce (async, on the process group's stream) once the bucket's last gradient is written, so the transfer runs
-    under the rest of the backward. Buckets launch in index order on every process, as collectives must; finish()
-    joins them. Inside a captured microbatch the hooks run once, at capture, and each replay repeats their all-reduces.
-
-        sync = OverlappedGradSync(params)
-        sync.zero_grad(); sync.begin(last=True); loss.backward(); sync.finish()   # .grad: the mean over processes
-
-    The first backward only records the order (rank 0's is used everywhere), then builds the buffer and, on a last
-    microbatch, averages it in one all-reduce. A parameter that got no gradient stays out (its .grad stays None)."""
-
-    def __init__(self, params, bucket_mb=25.0):
-        self.params, self.bucket_bytes = list(params), bucket_mb * 2**20
-        self.flat = None     # the gradients, one buffer; None until the first backward has shown their order
-        self.buckets = []    # (start, end, number of parameters) in flat, in launch order
-        self.bucket_of = {}  # parameter index -> its bucket
-        self.order, self.armed, self.works = [], False, []
-        self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
-                      for i, p in enumerate(self.params)]
-
-    def zero_grad(self):
-        """Zero the buffer (the gradients stay its views); before it exists, unset every .grad."""
-        if self.flat is not None:
-            self.flat.zero_()
-        else:
-            for p in self.params:
-                p.grad = None
-
-    def begin(self, last):
-        """Before a backward: on the step's last microbatch, average the gradients during it; else only accumulate."""
-        self.armed, self.next, self.works = last, 0, []
-        self.left = [n for _, _, n in self.buckets]   # gradients each bucket still waits for
-
-    def _ready(self, i, p):   # p.grad is final for this backward
-        if self.flat is None:
-            if i not in self.bucket_of:   # the first backward: record the order
-                self.bucket_of[i] = None
-                self.order.append(i)
-            return
-        b = self.bucket_of.get(i)
-        if self.armed and b is not None:
-            self.left[b] -= 1
-            while self.next < len(self.buckets) and self.left[self.next] == 0:
-                self._launch()
-
-    def _launch(self):
-        start, end, _ = self.buckets[self.next]
-        self.works.append(dist.all_reduce(self.flat[start:end], op=dist.ReduceOp.AVG, async_op=True))
-        self.next += 1
-
-    def finish(self):
-        """After the backward: on the last microbatch, wait for every bucket's all-reduce (launching any left)."""
-        if self.flat is None:
-            self._build()
-            if self.armed:
-                dist.all_reduce(self.flat, op=dist.ReduceOp.AVG)
-        elif self.armed:
-            while self.next < len(self.buckets):
-                self._launch()
-            for work in self.works:
-                work.wait()
-        self.armed, self.works = False, []
-
-    def _build(self):
-        """The buffer from the recorded order (rank 0's), each gradient moved into its view."""
-        shared = [self.order]
-        dist.broadcast_object_list(shared, src=0)   # one layout on every process: the collectives must match
-        order = shared[0]
-        dtypes = sorted({str(self.params[i].dtype) for i in order})
-        if len(dtypes) != 1:
-            raise ValueError(f"grad_sync=overlap needs one gradient dtype, the parameters have {dtypes}: "
-                             "use --grad_sync=after")
-        first = self.params[order[0]]
-        self.flat = torch.zeros(sum(self.params[i].numel() for i in order), dtype=first.dtype, device=first.device)
-        self.bucket_of, start, end, count = {}, 0, 0, 0
-        for i in order:
-            p = self.params[i]
-            if count and (end - start + p.numel()) * p.element_size() > self.bucket_bytes:
-                self.buckets.append((start, end, count))
-                start, count = end, 0
-            view = self.flat[end:end + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
-            self.bucket_of[i] = len(self.buckets)
-            end, count = end + p.numel(), count + 1
-        self.buckets.append((start, end, count))
-
-    def close(self):
-        """Remove the hooks: the gradients are averaged some other way from now on."""
-        for hook in self.hooks:
-            hook.remove()
-        self.armed, self.works = False, []
-
-
-class GraphCaptureError(RuntimeError):
-    """A microbatch's forward and backward could not be captured as a CUDA graph (gradients left as before it)."""
-
-
-class GraphedMicrostep:
-    """One microbatch's forward and backward captured as CUDA graphs and replayed: the host launches one graph
-    instead of hundreds of kernels (compiled sublayers, ~3 Triton launches per routing site), so small
-    microbatches stop being bound by Python and launch overhead. Two graphs share one memory pool: the first
-    microbatch of a step writes the gradients (captured with every .grad unset, so backward stores into them as
-    eager autograd does after zero_grad(set_to_none=True)); later microbatches add into them. The graphs fix the
-    batch shape, their input buffers and the .grad tensors: never set .grad to None afterwards (no zero_grad
-    needed, the first microbatch overwrites). The model is not wrapped in DDP or FSDP (their gradient hooks are
-    not captured here): under torchrun, train.py averages the gradients after the graphs (sync_grads), or, given
-    grad_sync (an OverlappedGradSync), a third graph for the step's last microbatch holds the average, started
-    under its backward: then the .grad tensors are views into grad_sync's buffer, which the first microbatch's graph
-    zeroes. The model must run without host syncs (every mode does).
-
-        micro = GraphedMicrostep(model, autocast, loss_scale=1 / accum)
-        loss = micro(x, y, first=k == 0, last=k == accum - 1)   # each kind's first call warms up and captures
-    """
-
-    def __init__(self, model, autocast, loss_scale=1.0, warmup=3, grad_sync=None):
-        self.model, self.autocast, self.loss_scale, self.warmup = model, autocast, loss_scale, warmup
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.grad_sync = grad_sync
-        self.graphs, self.losses = {}, {}   # (first, last) -> CUDAGraph, its loss output (last: with grad_sync only)
-        self.x = self.y = None
-
-    def _forward_backward(self, first, last):
-        if self.grad_sync is not None:
-            if first:
-                self.grad_sync.zero_grad()
-            self.grad_sync.begin(last)
-        with self.autocast:
-            _, loss = self.model(self.x, self.y)
-        (loss * self.loss_scale).backward()
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
-        return loss.detach()
-
-    def _capture(self, kind):
-        first, last = kind
-        if not first and not any(f for f, _ in self.graphs):
-            raise RuntimeError("GraphedMicrostep: the first microbatch of a step (first=True) must come first")
-        saved = None if first else [p.grad.clone() for p in self.params]   # this step's gradients so far
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # compile, autotune and allocate outside the graph
-            for _ in range(self.warmup):
-                self._forward_backward(first, last)
-        torch.cuda.current_stream().wait_stream(side)
-        if first and self.grad_sync is None:
-            for p in self.params:   # unset: the captured backward allocates .grad in the graph's pool and writes it
-                p.grad = None
-        graph = torch.cuda.CUDAGraph()
-        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
-        try:
-            with torch.cuda.graph(graph, pool=pool):
-                self.losses[kind] = self._forward_backward(first, last)
-        except Exception as e:   # e.g. an op that syncs with the host: undo this microbatch, say what failed
-            for p, g in zip(self.params, saved or [None] * len(self.params)):
-                p.grad = g
-            if self.grad_sync is not None:   # the eager steps that follow average after the backward (sync_grads)
-                self.grad_sync.close()
-            self.graphs.clear()
-            self.losses.clear()
-            raise GraphCaptureError(f"capturing the graph of the {'first microbatch' if first else 'later microbatches'} failed "
-                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
-        if saved is not None:
-            with torch.no_grad():   # the warm-up added extra gradients: restore this step's
-                torch._foreach_copy_([p.grad for p in self.params], saved)
-        self.graphs[kind] = graph
-
-    def __call__(self, x, y, first=True, last=True):
-        if self.x is None:
-            self.x, self.y = x.clone(), y.clone()   # the graphs' input buffers
-        else:
-            self.x.copy_(x, non_blocking=True)
-            self.y.copy_(y, non_blocking=True)
-        kind = (first, last and self.grad_sync is not None)   # without grad_sync the last microbatch is like the others
-        if kind not in self.graphs:
-            self._capture(kind)
-        self.graphs[kind].replay()
-        return self.losses[kind]
+def optimizer_step(optimizer, params, grad_clip, world=None, zero_grad=None):
+    """The end of every step, after its microbatches (train.py's loop and bench.py's step): average the gradients
+    over `world` processes in one all-reduce (sync_grads; None: nothing to average, or the backward did it), clip their
+    global norm to grad_clip (0: no clip; the norm is returned either way, a full tensor under FSDP), AdamW, then
+    zero_grad() where given (eager steps: graphed steps overwrite their fixed .grad tensors)."""
+    if world is not None:
+        sync_grads(params, world)
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if is_dtensor(grad_norm):   # FSDP: the norm over every shard
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    if zero_grad is not None:
+        zero_grad()
+    return grad_norm
 
 
 class StepLog:
@@ -969,7 +601,7 @@ class StepLog:
 
     def check_weights(self, step, named_params):
         """Before a save: every parameter finite (one host sync), or stop."""
-        flags = torch.stack([(p.to_local() if isinstance(p, DTensor) else p).isfinite().all() for _, p in named_params])
+        flags = torch.stack([(p.to_local() if is_dtensor(p) else p).isfinite().all() for _, p in named_params])
         if self.rt.ddp:   # FSDP shards: every rank's verdict
             flags = flags.to(torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -1040,11 +672,8 @@ class StepLog:
 def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
     n_params = model.num_params()
     n_extra = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("routes.", "hyper.")))
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
+    import routing_kernel   # its triton: None where Triton is not installed
+    triton_version = routing_kernel.triton.__version__ if routing_kernel.triton is not None else "not installed"
     say, meta = rt.say, data.meta
     say(f"git {git_revision()} | python {platform.python_version()} | torch {torch.__version__} | triton {triton_version}"
         f" | cuda {torch.version.cuda} | {rt.world} x {device_name}")
@@ -1081,44 +710,38 @@ def main(argv):
     rt = setup_runtime(cfg)
     data = load_data(cfg, rt.world)
     if rt.master:
-        lock_out_dir(cfg.out_dir)   # before anything in out_dir is read or moved
+        try:
+            lock_out_dir(cfg.out_dir)   # before anything in out_dir is read or moved
+        except OutDirLocked as e:
+            fail(e)
     ckpt, init, model_cfg, model_source = resolve_start(cfg, data.meta, rt.master)
     try:
         mcfg = GPTConfig.from_dict({**model_cfg, "routing_impl": cfg.routing_impl})
     except ValueError as e:
         fail(e)
     state = ckpt["model"] if ckpt is not None else init["model"] if init is not None else None
-    model = build_model(mcfg, cfg, rt.device, rt.param_dtype, state, rt.master)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), cfg.adam_eps, cfg.decay_all,
-                                           fused=rt.device_type == "cuda" and not cfg.fsdp,
-                                           routing_group=mcfg.residual == "delta", routing_lr_scale=cfg.routing_lr_scale)
-    ema = EMA([(n, p) for n, p in model.named_parameters() if p.requires_grad], cfg.ema_decay) if cfg.ema_decay > 0 else None
-    step = restore(ckpt, model, optimizer, ema, cfg, rt) if ckpt is not None else 0
+    raw_model = build_model(mcfg, cfg, rt.device, rt.param_dtype, state, rt.master)   # checkpoints save it: clean names
+    params = [p for p in raw_model.parameters() if p.requires_grad]
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), cfg.adam_eps,
+                                               cfg.decay_all, fused=rt.device_type == "cuda" and not cfg.fsdp,
+                                               routing_group=mcfg.residual == "delta", routing_lr_scale=cfg.routing_lr_scale)
+    named = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
+    ema = EMA(named, cfg.ema_decay) if cfg.ema_decay > 0 else None
+    try:
+        step = restore(ckpt, raw_model, optimizer, ema, cfg, rt) if ckpt is not None else 0
+    except ValueError as e:
+        fail(e)
     saved_step = step if ckpt is not None else None
     del ckpt, init, state
-    raw_model = model   # unwrapped and uncompiled in place: checkpoints have clean parameter names
-    model.checkpoint_sublayers, model.z_loss = cfg.activation_checkpointing, cfg.z_loss
-    if cfg.compile:
-        model.compile_sublayers()
-    if rt.ddp and not cfg.fsdp and not rt.graphs:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
-    elif rt.ddp and not cfg.fsdp:   # CUDA graphs: no DDP wrapper (its backward hooks are not captured); as DDP does,
-        for t in [*params, *raw_model.buffers()]:   # start every process from rank 0's weights, and average the
-            dist.broadcast(t.detach(), 0)          # gradients after each step's graphs (sync_grads)
+    model = prepare_for_training(raw_model, params, cfg, rt)
     device_name = torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else platform.processor() or "cpu"
     log_header(cfg, rt, raw_model, mcfg, data, model_source, step, device_name)
-    if rt.master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
     extra = {"model_config": asdict(mcfg), "model_source": model_source, "train_config": asdict(cfg), "meta": data.meta,
-             "tokenizer": data.meta["tokenizer"], "tokenizer_id": data.meta.get("tokenizer_id", data.meta["tokenizer"]),
-             "git": git_revision()}
+             "tokenizer": data.meta["tokenizer"], "tokenizer_id": data.meta["tokenizer_id"], "git": git_revision()}
     log = StepLog(cfg, rt, raw_model, device_name if rt.device_type == "cuda" else None, step, saved_step)
-    overlap = grad_sync_plan(cfg, rt)[0]
-    grad_sync = OverlappedGradSync(params, cfg.grad_bucket_mb) if overlap else None
+    grad_sync = OverlappedGradSync(params, cfg.grad_bucket_mb) if grad_sync_plan(cfg, rt)[0] else None
     graphed = GraphedMicrostep(model, rt.autocast, loss_scale=1 / data.accum, grad_sync=grad_sync) if rt.graphs else None
     wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    named = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
     stop = StopSignals()
     if step >= cfg.max_steps and step in log.evals:   # a finished run resumed: say so rather than exit silently
         rt.say(f"train.py: the checkpoint in {cfg.out_dir} is at step {step}, max_steps={cfg.max_steps}: nothing to "
@@ -1159,38 +782,12 @@ def main(argv):
             break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step) * group.get("lr_scale", 1.0)
-        loss_sum = torch.zeros((), device=rt.device)
-        for micro in range(data.accum):
-            first = step * data.seqs_per_step + (rt.rank * data.accum + micro) * cfg.micro_batch
-            x, y = to_device(data.train.train_batch(first, cfg.micro_batch), rt)
-            if graphed is not None:
-                try:
-                    loss_sum += graphed(x, y, first=micro == 0, last=micro == data.accum - 1).float()
-                    continue
-                except GraphCaptureError as e:   # this microbatch and the rest of the run go eager
-                    rt.say(f"*** CUDA graphs off: {e}. The run continues with eager steps (--cuda_graph=False "
-                           "skips the attempt) ***")
-                    graphed = None
-            sync = not rt.ddp or micro == data.accum - 1   # DDP all-reduces gradients on the last micro-step only
-            if cfg.fsdp:
-                model.set_requires_gradient_sync(sync)
-            with (model.no_sync() if wrapped and not sync else nullcontext()), rt.autocast:
-                _, loss = model(x, y)
-                (loss / data.accum).backward()
-            loss_sum += loss.detach().float()
-        if rt.ddp and not (wrapped or cfg.fsdp or (graphed is not None and graphed.grad_sync is not None)):
-            sync_grads(params, rt.world)   # graphed steps (no DDP wrapper) average here, unless their graphs did
+        loss_sum, graphed = run_microbatches(step, model, graphed, data, cfg, rt)
         if rt.ddp:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)   # the logged loss is the global-batch mean
-        if cfg.grad_clip > 0:   # the norm is kept either way: StepLog stops the run on a non-finite one
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if isinstance(grad_norm, DTensor):   # FSDP: the norm over every shard
-            grad_norm = grad_norm.full_tensor()
-        optimizer.step()
-        if graphed is None:   # the graphs' first microbatch overwrites their fixed .grad tensors instead
-            optimizer.zero_grad(set_to_none=True)
+        averaged = wrapped or cfg.fsdp or (graphed is not None and graphed.grad_sync is not None)
+        grad_norm = optimizer_step(optimizer, params, cfg.grad_clip, world=rt.world if rt.ddp and not averaged else None,
+                                   zero_grad=None if graphed is not None else lambda: optimizer.zero_grad(set_to_none=True))
         if ema is not None:
             ema.update()
         step += 1

@@ -4,7 +4,7 @@
 
 100M shape of bench.py, random weights, a 512-token prompt cached, then one-token steps. Per variant (baseline and
 MHAR; reference and fused routing; fp32 weights under bf16 autocast, or bf16 weights): the eager step (unsynced and
-synced per step), the 512-token prefill, the graphed step (model.DecodeGraph) and an eager step at batch 16. Then a
+synced per step), the 512-token prefill, the graphed step (graphs.DecodeGraph) and an eager step at batch 16. Then a
 Python profile and a torch.profiler table of eager steps (launch counts, host time against GPU time)."""
 import cProfile, io, os, pstats, statistics, subprocess, sys, time
 
@@ -13,7 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import bench
-from model import GPT, GPTConfig, DecodeGraph, KVCache
+from graphs import DecodeGraph
+from model import GPT, GPTConfig, KVCache
 
 
 def smi(fields):

@@ -12,7 +12,7 @@
 #   bash results/multigpu/run.sh bench         # torchrun bench.py ddp: the all-reduce's share of the step, overlapped
 # SCALES="100m 1b" MODES=mhar AGAIN= pick a subset (AGAIN= skips the repeats); runs with a log in
 # results/multigpu/logs/scaling are skipped, so the work can be split over device calls (copy each call's logs back).
-# Logs go to $OUT (the device tool's output folder) or results/multigpu/logs/.
+# Logs go to $OUT (when set) or results/multigpu/logs/.
 set -eo pipefail
 N=${N:-$(nvidia-smi -L | wc -l)}
 DEST=${OUT:-results/multigpu/logs}

@@ -16,12 +16,12 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
-from train import read_log  # noqa: E402
+from checkpoint import read_log  # noqa: E402
 MODES = ("baseline", "hyper", "attnres", "mhar")
 
 
 def load(path):
-    recs = read_log(path)   # train.py's reader: a partial last line is left out
+    recs = read_log(path)   # checkpoint.py's reader: a partial last line is left out
     evals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
     speeds = [r["tok_per_s"] for r in recs if "tok_per_s" in r][3:]   # the first windows hold compilation
     steps = sorted(evals)

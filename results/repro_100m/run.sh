@@ -2,7 +2,7 @@
 # The reduced-budget runs on one GPU: bash results/repro_100m/run.sh baseline:0 mhar:0 mhar:0:8 ...   (mode:seed[:route_heads])
 # Each run: python train.py config/repro_100m.py --residual=MODE --seed=SEED [--route_heads=H]
 #           --out_dir=out/repro/NAME --log_interval=10
-# Its log.jsonl is copied to $OUT (the device tool's output folder) or results/repro_100m/logs/.
+# Its log.jsonl is copied to $OUT (when set) or results/repro_100m/logs/.
 set -eo pipefail
 DEST=${OUT:-results/repro_100m/logs}
 mkdir -p "$DEST"

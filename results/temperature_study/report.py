@@ -21,7 +21,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
-from train import read_log  # noqa: E402
+from checkpoint import read_log  # noqa: E402
 # Student's t, two-sided 95%: critical values for 1..10 degrees of freedom
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 # the comparisons, fixed before the runs (README.md): (shape, A, B), a config = MODE or MODE_xSCALE
@@ -36,7 +36,7 @@ ADDED = [("124m", "mhar", "baseline"), ("124m", "attnres", "baseline"), ("124m",
 
 
 def load(path):
-    recs = read_log(path)   # train.py's reader: a partial last line is left out
+    recs = read_log(path)   # checkpoint.py's reader: a partial last line is left out
     evals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
     steps = sorted(evals)
     return dict(evals=evals, last=steps[-1], final=evals[steps[-1]], tail=statistics.mean(evals[s] for s in steps[-5:]))

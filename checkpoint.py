@@ -1,0 +1,309 @@
+"""
+What a train.py run keeps in its out_dir, and how it survives crashes, full disks and a second launch:
+
+  ckpt.pt, ckpt.prev.pt   the latest checkpoint and the one before it (write: temp file, fsync, read back, rotate)
+  log.jsonl               one JSON record per logged step and per eval (read_log, trim_log)
+  train.lock              the running process (lock_out_dir)
+
+A checkpoint is one torch.save archive: model, optimizer and EMA states, step, every rank's RNG states, and what
+train.py adds (configs, data position, tokenizer). save_checkpoint writes it, read_checkpoint / load_latest read it,
+restore puts its states back into a run. SIGTERM and SIGINT become a stop with a checkpoint (StopSignals).
+
+Imports torch and the standard library (numpy inside the RNG functions), and raises instead of exiting: train.py turns
+the errors into its one-line messages; eval.py and the results/ report scripts read logs and checkpoints through it.
+"""
+import atexit
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import time
+import zipfile
+
+import torch
+import torch.distributed as dist
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (its partial file is removed; the previous checkpoints are untouched)."""
+
+
+class OutDirLocked(RuntimeError):
+    """Another run holds the out_dir (or its lock could not be taken)."""
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------------
+
+def previous_checkpoint(path):
+    """Where the checkpoint before `path` is kept (out_dir/ckpt.pt -> out_dir/ckpt.prev.pt)."""
+    root, ext = os.path.splitext(path)
+    return root + ".prev" + ext
+
+
+def read_checkpoint(path):
+    """torch.load of a checkpoint (memory-mapped: tensors are read when used), or a ValueError naming the file, what
+    is wrong with it and what to do (torch's own message for a truncated or foreign file points elsewhere)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size == 0:
+            what = "is empty"
+        elif size and not zipfile.is_zipfile(path):
+            what = "is not a torch.save archive (truncated, or not a checkpoint)"
+        else:
+            what = f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        prev = previous_checkpoint(path)
+        hint = (f"; the checkpoint before it, {prev}, may be intact: pass that file, or move {path} aside"
+                if os.path.isfile(prev) else "; rerun the training that wrote it")
+        raise ValueError(f"checkpoint {path} {what}{hint}") from e
+
+
+def save_checkpoint(path, model, optimizer, ema, step, extra, cfg, rt):
+    """Weights, optimizer, EMA, step, every rank's RNG states and `extra` (configs, data position) to `path`, by
+    write_checkpoint (temp file, fsync, read back, rotate: a crash at any point leaves one whole checkpoint). Every
+    rank takes part (FSDP gathers); a failed write raises CheckpointWriteError. cfg, rt: train.py's config, runtime."""
+    import numpy as np   # only for its RNG state
+    t0 = time.time()
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state(rt.device) if rt.device_type == "cuda" else None}
+    rngs = [None] * rt.world
+    if rt.ddp:
+        dist.all_gather_object(rngs, rng)
+    else:
+        rngs = [rng]
+    if cfg.fsdp:   # gather full tensors on rank 0 (every rank takes part)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+    else:
+        model_state, optim_state = model.state_dict(), optimizer.state_dict()
+    ema_state = None if ema is None else ema.state_dict(rt.master)
+    if rt.master:
+        write_checkpoint(path, {"model": model_state, "optimizer": optim_state, "ema": ema_state, "step": step,
+                                "rng": rngs, **extra}, step)
+        rt.say(f"saved {path} (step {step}, {os.path.getsize(path) / 1e9:.2f} GB) in {time.time() - t0:.1f} s")
+
+
+def write_checkpoint(path, payload, step):
+    """torch.save(payload) to `path`, so that a crash at any point leaves one whole checkpoint: written to a temp file,
+    flushed to disk and read back (memory-mapped: the archive's index and records, not every byte) before the
+    rotation, in which the checkpoint it replaces becomes ckpt.prev.pt. A failed write removes the temp file and
+    raises CheckpointWriteError with the one line for the user (write_failure)."""
+    tmp = path + ".tmp"
+    try:
+        torch.save(payload, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        read_checkpoint(tmp)
+    except Exception as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise CheckpointWriteError(write_failure(path, tmp, step, e)) from e
+    if os.path.exists(path):
+        os.replace(path, previous_checkpoint(path))
+    os.replace(tmp, path)
+
+
+def write_failure(path, tmp, step, error):
+    """The one line for a checkpoint that could not be written: disk full or not, and which checkpoints are intact."""
+    folder = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(folder).free
+    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error) \
+        or "unexpected pos" in str(error) or free < 2**20
+    why = (f"no space left on the device of {folder} ({free / 1e9:.2f} GB free)" if full
+           else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    kept = []
+    for p in (path, previous_checkpoint(path)):
+        try:
+            kept.append(f"{p} (step {read_checkpoint(p)['step']})")
+        except (ValueError, FileNotFoundError):   # absent, or itself unreadable: not intact
+            pass
+    return (f"saving the step-{step} checkpoint failed: {why}, writing {tmp}; the partial file is removed. "
+            + (f"Intact: {', '.join(kept)}. " if kept else "No earlier checkpoint exists. ")
+            + ("Free some space, then continue with --init_from=resume" if full else "Fix the cause, then continue "
+               "with --init_from=resume"))
+
+
+def load_latest(ckpt_path, master, say=print):
+    """The checkpoint to resume: ckpt_path, or, when it is missing or unreadable, the one before it (one line says
+    so; the unreadable file is moved aside, never deleted). A ValueError naming both files when neither can be read."""
+    prev, errors = previous_checkpoint(ckpt_path), []
+    for path in (ckpt_path, prev):
+        if not os.path.isfile(path):
+            errors.append(f"{path} does not exist")
+            continue
+        try:
+            ckpt = read_checkpoint(path)
+        except ValueError as e:
+            errors.append(str(e).split(";")[0])
+            continue
+        if path == prev and master:
+            aside = None
+            if os.path.isfile(ckpt_path):
+                aside = f"{ckpt_path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+                os.replace(ckpt_path, aside)
+            say(f"train.py: {errors[0]}; resuming from the checkpoint before it, {prev} (step {ckpt['step']})"
+                + (f"; the unreadable file is now {aside}" if aside else ""))
+        return ckpt
+    raise ValueError("--init_from=resume but no checkpoint can be read: " + "; ".join(errors)
+                     + ". Start again with --init_from=scratch in a new --out_dir")
+
+
+def restore(ckpt, model, optimizer, ema, cfg, rt):
+    """Optimizer, EMA and RNG states of a resumed checkpoint into a run (the weights are loaded with the model); its
+    step. cfg.fsdp: every rank takes part, rank 0's full optimizer state broadcast to the shards."""
+    if cfg.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(model, optimizer, ckpt["optimizer"] if rt.master else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if ema is not None:
+        if ckpt.get("ema") is None:
+            raise ValueError("--ema_decay is set but the checkpoint has no EMA weights")
+        ema.load(ckpt["ema"], rt.device)
+    import numpy as np   # only for its RNG state
+    rng = ckpt["rng"][rt.rank] if rt.rank < len(ckpt["rng"]) else ckpt["rng"][0]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if rt.device_type == "cuda" and rng.get("cuda") is not None:
+        torch.cuda.set_rng_state(rng["cuda"])
+    return ckpt["step"]
+
+
+# ---- log.jsonl --------------------------------------------------------------------------------------------------------
+
+def read_log(path, repair=False, say=print):
+    """The records of a log.jsonl. A last line cut short (a crash or a full disk mid-write) is left out, and with
+    repair also cut from the file (one line says so); any other line that is not JSON is an error naming the line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines, records = data.split(b"\n"), []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except (ValueError, UnicodeDecodeError) as e:
+            if i < len(lines) - 1:   # a complete line (a newline follows) that is not JSON: not ours to guess
+                raise ValueError(f"{path}, line {i + 1}: not JSON ({e}); fix or remove that line") from None
+            if repair:
+                with open(path, "r+b") as f:
+                    f.truncate(len(data) - len(line))
+                say(f"{path}: removed a partial last line ({len(line)} bytes, written when the run stopped)")
+            return records
+    if repair and lines[-1].strip():   # a whole last record without its newline: the next one gets its own line
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    return records
+
+
+def trim_log(path, step, say):
+    """Resuming at `step`: log.jsonl keeps the records up to it; those of later steps (the stopped run went past its
+    last checkpoint, and the resumed run writes them again) move to a side file, named in one line."""
+    records = read_log(path, repair=True, say=say)
+    later = [r for r in records if r.get("step", 0) > step]
+    if later:
+        side = f"{os.path.splitext(path)[0]}.after-step{step}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        with open(side, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in later)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step)
+        os.replace(path + ".tmp", path)
+        say(f"{path}: {len(later)} records after step {step} (the stopped run's, redone now) moved to {side}")
+
+
+# ---- one run per out_dir ----------------------------------------------------------------------------------------------
+
+def lock_out_dir(out_dir, say=print):
+    """out_dir/train.lock names this process (pid, host) until it exits. A lock whose process is gone (same host) is
+    taken over with one line; a live one, or one from another host, raises OutDirLocked. A run that ends having
+    written nothing leaves no empty out_dir behind."""
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    path, me = os.path.join(out_dir, "train.lock"), {"pid": os.getpid(), "host": socket.gethostname(),
+                                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                other = json.load(open(path))
+                pid, host, since = int(other["pid"]), other["host"], other.get("since", "?")
+            except (OSError, ValueError, KeyError, TypeError):
+                other = None   # unreadable: a lock being written this instant, or a broken one
+            if other is None:
+                time.sleep(0.2)
+                if os.path.exists(path) and time.time() - os.path.getmtime(path) > 5:
+                    os.remove(path)
+                continue
+            if host != me["host"]:
+                raise OutDirLocked(f"{out_dir} is locked by a run on host {host} (pid {pid}, since {since}). If that "
+                                   f"run has ended, delete {path}; else choose another --out_dir")
+            if pid_alive(pid):
+                raise OutDirLocked(f"{out_dir} is in use by a running train.py (pid {pid}, since {since}); wait for "
+                                   "it, stop it, or choose another --out_dir")
+            say(f"train.py: taking over {path} from pid {pid} (since {since}), which is no longer running")
+            os.remove(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        atexit.register(unlock_out_dir, path, me["pid"], created)
+        return path
+    raise OutDirLocked(f"could not take {path}; delete it if no run uses {out_dir}")
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's live process
+        return True
+    return True
+
+
+def unlock_out_dir(path, pid, created):
+    try:
+        if json.load(open(path))["pid"] == pid:
+            os.remove(path)
+        if created and not os.listdir(os.path.dirname(path)):
+            os.rmdir(os.path.dirname(path))
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+# ---- stops: SIGTERM, SIGINT -------------------------------------------------------------------------------------
+
+class StopSignals:
+    """SIGTERM (a cluster's preemption) or SIGINT (Ctrl-C) asks the loop to stop after the current step: it saves a
+    checkpoint and exits 143 / 130. A second signal exits at once. Under torchrun the processes agree on the step at
+    log-interval steps (an all-reduce of the request, where the log syncs anyway)."""
+
+    def __init__(self):
+        self.signum = None
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            sys.exit(128 + signum)
+        self.signum = signum
+        print(f"train.py: {signal.Signals(signum).name}: stopping after this step with a checkpoint (send it again to "
+              "stop at once)", file=sys.stderr, flush=True)
+
+    def requested(self, step, cfg, rt):
+        if not rt.ddp:
+            return self.signum is not None
+        if step % cfg.log_interval:
+            return False
+        flag = torch.tensor(self.signum or 0, device=rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.signum = self.signum or int(flag.item()) or None
+        return self.signum is not None

@@ -1,0 +1,105 @@
+"""
+Launch settings of routing_kernel.py's kernels: per kernel, the register tile, warps and pipelining depth; which sites
+share reads (lead_schedule); the entries tuned per width on an H200; and the envelope the kernels take. Kept apart so
+that tuning a width (`python bench.py routing --tune-train`) edits a table, never a kernel.
+"""
+import functools
+import os
+import sys
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # Triton's CPU interpreter (how CI runs the kernels)
+
+
+# ---- the settings and their launch geometry --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How the kernels launch; per kernel (register-tile elements, warps, pipelining depth of the loop over sources)."""
+    name: str = "default"
+    fwd: tuple = (4096, 4, 4)                 # _chain_fwd
+    site: tuple = (16384, 8, 3)               # _chain_bwd_site
+    pairs: tuple = (1024, 2, 3)               # the pair pass in _chain_bwd_gather: its tile (warps, stages: the gather's)
+    gather: tuple = (1024, 2, 3)              # _chain_bwd_gather
+    fwd_lead: tuple | None = (4096, 4, 4)     # a forward that also runs the next site's softmax; None: none leads
+    gather_lead: tuple | None = (1024, 2, 3)  # a gather that also sums the previous source's terms; None: none leads
+    lead_min: int = 6             # a site leads if it reads >= this many tiles per token (its state: ~4 sources' bytes)
+    stored_logits: bool = False   # the forward stores each pair's logit and the site pass loads it
+    reducers: int = 16            # gather programs per head in the first level of the dw sum (1: one level, no ticket)
+    split: tuple = ("fwd", "site")   # kernels that hold a head as two column parts (the gather ran 10% slower split)
+    call_fwd: tuple = (4096, 4, 4)   # the per-call kernels, measured at the 8B delta shape (d 4096, H 8, 2 x 4096
+    call_site: tuple = (8192, 8, 3)  # tokens): a site tile of 16384 made its 64 calls 72.2 ms instead of 65.7
+    call_sources: tuple = (1024, 2, 3)
+    max_block_m: int = 256 if INTERPRET else 64   # tokens per program at most (the interpreter: few, big programs)
+    direct: bool = True   # the chain calls its compiled kernels' launchers directly (RoutingChain._launch)
+
+
+DEFAULT = RoutingConfig()
+# Per width (d, H), tuned on one H200 at the paper's training microbatches (Table 1) by `bench.py routing --tune-train`
+# and A/B runs (BENCHMARKS.md). At 1B (heads of 128 + 32 columns) stored logits cost the kernels 16% / 8% (registers)
+# and the two-level dw sum 0.8%; at 100M the paired gather was no faster (5.85 ms either way).
+TUNED_H200 = {
+    (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
+                   stored_logits=True),
+    (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
+                    gather_lead=(4096, 4, 4), stored_logits=True),
+    (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1),
+}
+
+
+def config_for(d, heads):
+    """The launch settings for width d and `heads` routing heads: the tuned entry, or DEFAULT."""
+    tuned = TUNED_H200.get((d, heads))
+    return DEFAULT if tuned is None else replace(DEFAULT, name=f"H200 d={d} H={heads}", **tuned)
+
+
+@functools.cache   # once per (config, width)
+def announce(config, d, heads):
+    """One line on stderr (rank 0) the first time a config runs at a width: which launch settings ran."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank()):
+        diff = ", ".join(f"{f.name}={getattr(config, f.name)}" for f in fields(config)
+                         if f.name != "name" and getattr(config, f.name) != getattr(DEFAULT, f.name))
+        print(f"fused routing (d={d}, H={heads}): launch config {config.name!r}" + (f" ({diff})" if diff else ""),
+              file=sys.stderr, flush=True)
+
+
+def _block_m(tile, width, config):
+    """Tokens per program: the power of two that fills `tile` register elements at this head width."""
+    if INTERPRET:   # the interpreter runs programs one by one: few, large ones
+        return config.max_block_m
+    return min(config.max_block_m, 1 << max(0, (tile // width).bit_length() - 1))
+
+
+def _pow2(n):
+    """The smallest power of two >= n (triton.next_power_of_2, without importing Triton)."""
+    return 1 << (n - 1).bit_length()
+
+
+def _split(D, split=True):
+    """(D_A, BLOCK_B, lanes) of a head of width D held as two power-of-two column parts, a = [0, D_A) and b = [D_A, D_A +
+    BLOCK_B) masked to D: split, 160 = 128 + 32, where one tile would pad to 256 (37.5% of the registers idle); else
+    D_A = D padded to 2^k, BLOCK_B = 0."""
+    p = 1 << (D.bit_length() - 1)
+    if p == D or not split:
+        return _pow2(D), 0, _pow2(D)
+    b = _pow2(D - p)
+    return p, b, p + b
+
+
+def check_envelope(d, heads, dtype):
+    """Raise a ValueError naming the limit when the fused kernels cannot take this shape."""
+    if d % heads:
+        raise ValueError(f"fused routing: d={d} is not divisible by route_heads={heads}")
+    if d // heads < 16:
+        raise ValueError(f"fused routing: head width d/H = {d}/{heads} = {d // heads} is below 16 (H <= d/16); "
+                         "use fewer route_heads or routing_impl='reference'")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fused routing: dtype {dtype} is not supported (bf16, fp16, fp32); use routing_impl='reference'")
+
+
+def lead_schedule(N, lead_min):
+    """Leading sites (forward, gather): every other one, from the longest reads down, while a leader reads >= lead_min."""
+    return (frozenset(j for j in range(N - 1, 0, -2) if j >= lead_min),          # forward site j reads j sources
+            frozenset(j for j in range(2, N + 1, 2) if N - j + 1 >= lead_min))  # gather j reads N - j + 1 gradients
