@@ -47,6 +47,7 @@ class GPTConfig:
     residual: str = "mhar"         # baseline | hyper | attnres | mhar | delta (grafted onto a pretrained model)
     route_heads: int | None = None # routing heads H; None: n_kv_head for mhar (the paper's default), 8 for delta
     route_scale: float = 1.0       # multiplier s on every routing logit (a temperature control; the paper: none, 1)
+    route_init_std: float = 0.0    # attnres / mhar: queries N(0, std^2) (0: zero; the paper's FineWeb runs: random)
     num_blocks: int = 8            # delta: the layers form num_blocks blocks; completed block deltas are sources
     hc_streams: int = 4            # hyper-connections: number of residual streams n
     hc_dynamic: bool = True        # hyper-connections: dynamic (DHC) or static (SHC) connection weights
@@ -76,6 +77,10 @@ class GPTConfig:
             bad(f"num_blocks={self.num_blocks} must divide n_layer={self.n_layer} (blocks of equal length)")
         if not (isinstance(self.route_scale, (int, float)) and math.isfinite(self.route_scale) and self.route_scale > 0):
             bad(f"route_scale={self.route_scale!r} must be a positive number (1: the paper's routing)")
+        if not (isinstance(self.route_init_std, (int, float)) and 0 <= self.route_init_std < math.inf):
+            bad(f"route_init_std={self.route_init_std!r} must be a number >= 0 (0: zero queries)")
+        if self.route_init_std and self.residual not in ("attnres", "mhar"):
+            bad(f"route_init_std={self.route_init_std} is for attnres and mhar, not residual={self.residual!r}")
         if self.residual == "attnres" and self.route_heads not in (None, 1):
             bad(f"residual='attnres' is single-head, got route_heads={self.route_heads}: "
                 "use residual='mhar' for several heads")
@@ -366,6 +371,13 @@ class GPT(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if self.cfg.route_init_std > 0 and not self.wte.weight.is_meta:
+            # random queries (the paper's FineWeb runs) from a generator of their own, seeded from the run's seed: the
+            # shared weights stay those of every other mode at that seed (the pairing of runs)
+            gen = torch.Generator().manual_seed((torch.initial_seed() + 10**9 + 7) % 2**63)
+            with torch.no_grad():
+                for site in self.routing_sites():
+                    site.q.copy_(torch.randn(site.q.shape, generator=gen) * self.cfg.route_init_std)
 
     def sublayers(self):
         """The 2L sublayers in order: attention, MLP, attention, MLP, ..."""
@@ -380,9 +392,8 @@ class GPT(nn.Module):
 
     def compile_sublayers(self, **kwargs):
         """torch.compile each sublayer (in place: parameter names stay clean), hyper-connections' stream reads and
-        writes, and the LM head + loss. All attention sublayers share one compiled graph, all MLPs another. The
-        reference routing is compiled on its own with dynamic shapes (one graph for every number of sources); fused
-        routing calls stay outside every graph (routing_kernel's entry points are opaque to torch.compile)."""
+        writes, and the LM head + loss; all attention sublayers share one graph, all MLPs another. The reference
+        routing compiles with dynamic shapes (one graph for every number of sources); fused routing stays outside."""
         for sub in self.sublayers():
             sub.compile(**kwargs)
         for hc in getattr(self, "hyper", []):   # hyper-connections: their stream reads and writes, fused
@@ -500,8 +511,7 @@ class GPT(nn.Module):
         """Which routing runs for sources of `dtype` on `device`: "fused" (routing_kernel.py) or "reference". With
         routing_impl="auto" (the default), the fused kernels wherever they can run: CUDA with Triton, a head width
         and dtype inside their envelope; a note says which the first time. "fused" asks for them (also on a CPU
-        under TRITON_INTERPRET=1) and falls back loudly where they cannot run. Chosen once per device type and dtype,
-        at the first forward there (a model is built before it is moved)."""
+        under TRITON_INTERPRET=1) and falls back loudly where they cannot run. Chosen once per device type and dtype."""
         impl, key = self.cfg.routing_impl, (torch.device(device).type, dtype)
         if impl == "reference" or self.cfg.residual not in ("attnres", "mhar", "delta"):
             return "reference"
@@ -539,14 +549,17 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, eps=1e-8, decay_all=True, fused=None,
-                             routing_group=False, routing_lr_scale=1.0):
-        """AdamW. The paper decays every parameter (decay_all=True, the default); decay_all=False puts
-        norms, embeddings, routing and hyper-connection parameters in a no-decay group. routing_group (for
-        continued pretraining of a converted model) gives the new routing parameters their own group: no
-        weight decay, LR times routing_lr_scale (train.py multiplies each group's LR by its "lr_scale")."""
+                             routing_lr_scale=1.0):
+        """AdamW. The paper decays every parameter (decay_all=True, the default); decay_all=False puts norms,
+        embeddings, routing and hyper-connection parameters in a no-decay group. A group of their own, LR times
+        routing_lr_scale (its "lr_scale", applied by train.py): delta's new routing parameters (no decay); attnres /
+        mhar's queries where routing_lr_scale != 1, their decay per step (LR x weight decay) kept, so that from q = 0
+        routing_lr_scale = s trains route_scale = s's model (logits see s q; Adam ignores the gradient's scale)."""
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-        routing = [p for n, p in named if routing_group and n.startswith("routes.")]
-        rest = [(n, p) for n, p in named if not (routing_group and n.startswith("routes."))]
+        delta = self.cfg.residual == "delta"
+        own = lambda n: n.startswith("routes.") and (delta or routing_lr_scale != 1 and n.endswith(".q"))  # noqa: E731
+        routing = [p for n, p in named if own(n)]
+        rest = [(n, p) for n, p in named if not own(n)]
         if decay_all:
             groups = [{"params": [p for _, p in rest], "weight_decay": weight_decay}]
         else:
@@ -554,9 +567,9 @@ class GPT(nn.Module):
             groups = [{"params": [p for n, p in rest if not no_decay(n, p)], "weight_decay": weight_decay},
                       {"params": [p for n, p in rest if no_decay(n, p)], "weight_decay": 0.0}]
         if routing:
-            groups.append({"params": routing, "weight_decay": 0.0, "lr_scale": routing_lr_scale})
-        if fused is None:
-            fused = all(p.is_cuda for _, p in named)
+            decay = weight_decay / routing_lr_scale if decay_all and not delta else 0.0
+            groups.append({"params": routing, "weight_decay": decay, "lr_scale": routing_lr_scale})
+        fused = all(p.is_cuda for _, p in named) if fused is None else fused
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=learning_rate, betas=betas, eps=eps, fused=fused)
 
     def flops_per_token(self, seq_len=None):
@@ -633,9 +646,7 @@ class GPT(nn.Module):
     @classmethod
     def from_checkpoint(cls, path_or_out_dir, device="cpu"):
         """The model of a train.py checkpoint (a ckpt.pt file, or the out_dir holding one)."""
-        path = path_or_out_dir
-        if os.path.isdir(path):
-            path = os.path.join(path, "ckpt.pt")
+        path = os.path.join(path_or_out_dir, "ckpt.pt") if os.path.isdir(path_or_out_dir) else path_or_out_dir
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no checkpoint at {path}: pass a ckpt.pt file or the out_dir of a train.py run")
         ckpt = read_checkpoint(path)

@@ -197,6 +197,29 @@ def test_shared_weights_identical_across_modes():
         assert all(torch.equal(base[k], states[mode][k]) for k in base)
 
 
+def test_random_init_queries_keep_the_pairing():
+    """route_init_std draws the queries N(0, std^2) from a generator of their own, seeded from the run's seed: the
+    shared weights stay bitwise those of every mode at that seed (zero-init and baseline runs included), the queries
+    have the asked std, another seed draws other ones, and the default keeps every query exactly 0."""
+    cfg = dict(n_layer=4, n_embd=96, n_head=4, n_kv_head=2)
+    states = {}
+    for name, kw in (("baseline", dict(residual="baseline")), ("mhar", dict(residual="mhar")),
+                     ("mhar_random", dict(residual="mhar", route_init_std=0.02)),
+                     ("attnres_random", dict(residual="attnres", route_init_std=0.02))):
+        torch.manual_seed(3)
+        states[name] = GPT(tiny_cfg(**cfg, **kw)).state_dict()
+    base = states["baseline"]
+    for name, state in states.items():
+        assert all(torch.equal(base[k], state[k]) for k in base), name
+    queries = lambda state: torch.cat([v for k, v in state.items() if k.endswith(".q")])   # noqa: E731
+    assert torch.count_nonzero(queries(states["mhar"])) == 0
+    q = queries(states["mhar_random"])
+    assert q.numel() == 9 * 96 and abs(q.std().item() - 0.02) < 0.002 and abs(q.mean().item()) < 0.002
+    assert torch.equal(q, queries(states["attnres_random"]))   # the same draws: H only splits the same vector
+    torch.manual_seed(4)
+    assert not torch.equal(q, queries(GPT(tiny_cfg(**cfg, residual="mhar", route_init_std=0.02)).state_dict()))
+
+
 @pytest.mark.parametrize("mode", ["attnres", "mhar", "hyper"])
 def test_zero_queries_reproduce_baseline(mode):
     # With q = 0 a site returns the mean of its N sources = (additive residual stream) / N, and the next
@@ -342,6 +365,10 @@ def test_optimizer_groups():
     (dict(routing_impl="cuda"), r"routing_impl='cuda'"),
     (dict(route_scale=0.0), r"route_scale=0.0 must be a positive number"),
     (dict(route_scale=float("nan")), r"route_scale=nan must be a positive number"),
+    (dict(route_init_std=-0.1), r"route_init_std=-0.1 must be a number >= 0"),
+    (dict(route_init_std=float("inf")), r"route_init_std=inf must be a number >= 0"),
+    (dict(residual="delta", num_blocks=2, route_init_std=0.02), r"route_init_std=0.02 is for attnres and mhar, not residual='delta'"),
+    (dict(residual="baseline", route_init_std=0.02), r"route_init_std=0.02 is for attnres and mhar"),
     (dict(n_layer=0), r"n_layer=0 must be a positive integer"),
     (dict(n_embd=36, n_head=4), r"head_dim=9 must be an even positive integer"),
     (dict(residual="delta", n_layer=3, num_blocks=2), r"num_blocks=2 must divide n_layer=3"),
@@ -375,6 +402,36 @@ def test_route_scale_is_a_scaled_query(residual):
     a, b = scaled(idx)[0], plain(idx)[0]
     assert rel_err(a.double(), b.double()) < 1e-6
     assert all(site.gain() is site.g for site in plain.routing_sites())
+
+
+def test_routing_lr_scale_trains_the_route_scale_model():
+    """route_scale = s is a router learning rate as much as a temperature: from q = 0, training with route_scale = s
+    and training with route_scale = 1 and the queries' LR times s (routing_lr_scale, which keeps their decay per step)
+    give the same routing after 20 AdamW steps (no clip): Adam's step ignores the gradient's scale."""
+    s = 0.25
+    torch.manual_seed(0)
+    scaled = GPT(tiny_cfg(route_scale=s))
+    fast = GPT(tiny_cfg())
+    fast.load_state_dict(scaled.state_dict())
+    runs = [(scaled, scaled.configure_optimizers(0.1, 3e-3, (0.9, 0.95))),
+            (fast, fast.configure_optimizers(0.1, 3e-3, (0.9, 0.95), routing_lr_scale=s))]
+    assert len(runs[0][1].param_groups) == 1 and runs[1][1].param_groups[-1]["weight_decay"] == pytest.approx(0.1 / s)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 96, (4, 17), generator=gen) for _ in range(20)]
+    for model, opt in runs:
+        for group in opt.param_groups:
+            group["lr"] = 3e-3 * group.get("lr_scale", 1.0)
+        for b in batches:
+            model(b[:, :-1], b[:, 1:])[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    q_scaled = torch.cat([site.q.detach() for site in scaled.routing_sites()])
+    q_fast = torch.cat([site.q.detach() for site in fast.routing_sites()])
+    assert q_fast.abs().max() > 1e-3   # the routers trained
+    assert (s * q_scaled - q_fast).abs().max() < 1e-5   # the same logits: s <q, key> = <q', key>
+    idx = batches[0][:, :-1]
+    alpha_a, alpha_b = scaled(idx, return_routing=True)[2], fast(idx, return_routing=True)[2]
+    assert max((a - b).abs().max().item() for a, b in zip(alpha_a, alpha_b)) < 1e-5
 
 
 def test_compiled_hyper_connections_match_eager():
@@ -779,6 +836,26 @@ def test_fused_falls_back_loudly_without_triton_device():
     assert r.stderr.count("routing_impl='fused' cannot run") == 1 and "routing_impl='reference'" in r.stderr
 
 
+@pytest.mark.parametrize("mode,H", [("mhar", 2), ("attnres", None)])
+def test_fused_matches_reference_with_random_init_queries(mode, H):
+    """The paper's random-init condition (route_init_std): the fused and the reference routing agree from the first
+    step, logits and every gradient, on the same drawn queries."""
+    models = []
+    for impl in ("reference", "fused"):
+        torch.manual_seed(0)
+        models.append(GPT(tiny_cfg(residual=mode, route_heads=H, routing_impl=impl, route_init_std=0.5)).to(DEVICE))
+    q = [site.q for site in models[0].routing_sites()]
+    assert all(torch.equal(a, b.q) for a, b in zip(q, models[1].routing_sites())) and q[3].abs().max() > 0.1
+    idx = torch.randint(0, 96, (2, 19), device=DEVICE)
+    outs = []
+    for m in models:
+        logits, loss = m(idx, idx)
+        loss.backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    assert rel_err(outs[1][0].double(), outs[0][0].double()) < 1e-5
+    assert_grads_close(outs[1][1], outs[0][1])
+
+
 @pytest.mark.parametrize("residual", ["attnres", "mhar", "delta"])
 def test_fused_route_scale_matches_reference(residual):
     """With route_scale != 1 the fused paths (the chain; delta mode's per-call kernels) give the reference's logits
@@ -934,6 +1011,8 @@ def test_hub_offline_gives_the_local_input_hint(tmp_path, monkeypatch):
     (["--device=gpu"], r"device='gpu' is not one of auto, cpu, cuda, cuda:N"),
     (["--grad_sync=ddp"], r"grad_sync='ddp' is not one of after, overlap"),
     (["--grad_bucket_mb=0"], r"grad_bucket_mb=0.0 must be positive"),
+    (["--routing_lr_scale=0"], r"routing_lr_scale=0.0 must be positive"),
+    (["--route_init_std=0.02", "--residual=hyper"], r"route_init_std=0.02 is for attnres and mhar, not residual='hyper'"),
 ])
 def test_bad_train_options(argv, msg):
     with pytest.raises(ValueError, match=msg):
@@ -969,6 +1048,17 @@ def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
     r = run_train(str(tmp_path / "out"), data_dir, "--max_steps=1", "--eval_tokens=100")
     assert r.returncode != 0 and "eval_tokens=100 is less than one eval batch" in r.stderr
     assert not os.path.exists(tmp_path / "out" / "train.lock")
+
+
+def test_run_header_names_the_tree_without_git(monkeypatch):
+    """A copy without .git (a GPU host's, say) names its tree by $MHAR_REVISION, set where git runs."""
+    def no_git(*args, **kwargs):
+        raise OSError("git: not found")
+    monkeypatch.setattr(train.subprocess, "run", no_git)
+    monkeypatch.delenv("MHAR_REVISION", raising=False)
+    assert train.git_revision() == "unknown"
+    monkeypatch.setenv("MHAR_REVISION", "0aa8bf0")
+    assert train.git_revision() == "0aa8bf0 (MHAR_REVISION)"
 
 
 def test_train_options_parse():
@@ -2102,6 +2192,36 @@ def test_temperature_study_report_pairs_seeds(tmp_path):
     assert os.path.getsize(tmp_path / "figs" / "scale_sweep.png") > 0
 
 
+def test_temperature_study_report_second_study(tmp_path):
+    """report.py on the second study's names (heads, random init): configs parsed, the planned comparisons and the
+    interaction (a difference of paired differences) with their 95% intervals and seeds for 80% power, and the
+    heads-against-router-speed figure (hand-made logs: a test of the arithmetic, not a result)."""
+    study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
+    assert study.parse("mhar_x2_h16") == ("mhar", 2.0, 16, 0.0) and study.parse("attnres_x0.5_q0.02") == ("attnres", 0.5, None, 0.02)
+    assert study.family("attnres_x0.5_q0.02") == "attnres_q0.02" and study.family("mhar_h16") == "mhar_h16"
+    assert study.seeds_for_power(0.005, 0.0091) == 28 and abs(study.t95(27) - 2.052) < 0.002   # noncentral t: 28
+    values = {"124m_attnres_s{}_q0.02": [3.30, 3.35, 3.28], "124m_mhar_s{}_q0.02": [3.20, 3.22, 3.21],
+              "124m_attnres_s{}": [3.25, 3.27, 3.24], "124m_mhar_s{}": [3.20, 3.21, 3.19],
+              "100m_mhar_s{}_h16": [3.50, 3.52, 3.51], "100m_mhar_s{}": [3.45, 3.46, 3.44],
+              "100m_attnres_s{}_x0.0625": [3.49, 3.53, 3.50], "100m_attnres_s{}_x0.25": [3.44, 3.47, 3.45]}
+    for name, vs in values.items():
+        for seed, v in enumerate(vs):
+            with open(tmp_path / f"{name.format(seed)}.log.jsonl", "w") as f:
+                for step in range(0, 2001, 100):
+                    f.write(json.dumps({"step": step, "val_loss": v + (2000 - step) / 1000}) + "\n")
+    rs = study.runs(str(tmp_path))
+    assert ("124m", "attnres_q0.02", 1) in rs and ("100m", "mhar_h16", 2) in rs and ("100m", "attnres_x0.0625", 0) in rs
+    seeds, d, st = study.interaction(rs, "124m", ("attnres_q0.02", "attnres"), ("mhar_q0.02", "mhar"), "tail")
+    assert seeds == [0, 1, 2] and [round(x, 6) for x in d] == [0.05, 0.07, 0.02]   # (0.05, 0.08, 0.04) - (0, 0.01, 0.02)
+    assert abs(st["lo"] - (st["mean"] - 4.303 * st["se"])) < 1e-9 and st["n80"] == study.seeds_for_power(st["mean"],
+                                                                                                     st["se"] * math.sqrt(3))
+    table = study.tables(rs)
+    assert "Comparisons, the second study, planned:" in table and "| 100m | attnres_x0.0625 - mhar_h16 | 0,1,2 |" in table
+    assert "| 124m | (attnres_q0.02 - attnres) - (mhar_q0.02 - mhar) | 0,1,2 | +0.0500 +0.0700 +0.0200 |" in table
+    study.plots(rs, str(tmp_path))
+    assert os.path.getsize(tmp_path / "head_vs_scale.png") > 0
+
+
 def test_temperature_study_driver(tmp_path, data_dir):
     """results/temperature_study/run.sh end to end on the CPU, at a tiny shape and budget (EXTRA's flags come last, so
     they override the configs'): every spec checked before any run, GPUS=2 workers sharing one list (each run made
@@ -2123,10 +2243,12 @@ def test_temperature_study_driver(tmp_path, data_dir):
         return subprocess.run(["bash", os.path.join(HERE, "results", "temperature_study", "run.sh"), *specs], cwd=work,
                               env=dict(env, **more), capture_output=True, text=True, timeout=600)
 
-    specs = ["100m:mhar:0", "100m:attnres:0:0.5", "124m:attnres:1", "100m:mhar:0"]
+    specs = ["100m:mhar:0", "100m:attnres:0:0.5", "124m:attnres:1", "100m:mhar:0", "100m:mhar:2:1:2:0.02"]
     for bad, why in ((specs + ["100m:mhar:x"], "seed 'x' in '100m:mhar:x'"), (specs + ["200m:mhar:0"], "unknown shape"),
                      (specs + ["100m:hyper:0"], "unknown mode"), (specs + ["100m:mhar:0:-1"], "positive number"),
-                     (specs + ["100m:mhar:0:0.0"], "positive number"), ([], "usage: ")):
+                     (specs + ["100m:mhar:0:0.0"], "positive number"), (specs + ["100m:attnres:0:1:4"], "H '4' in"),
+                     (specs + ["100m:mhar:0:1:0"], "H '0' in"), (specs + ["100m:baseline:0:1::0.02"], "INIT '0.02' in"),
+                     (specs + ["100m:mhar:0:1:2:-1"], "INIT '-1' in"), ([], "usage: ")):
         r = run_sh(*bad)
         assert r.returncode == 2 and why in r.stdout, (bad, r.stdout, r.stderr)
     r = run_sh(*specs, GPUS="3")
@@ -2137,19 +2259,21 @@ def test_temperature_study_driver(tmp_path, data_dir):
 
     r = run_sh(*specs, GPUS="2")
     assert r.returncode == 0, r.stdout + r.stderr
-    names = {"100m_mhar_s0": ("mhar", 0, 1.0), "100m_attnres_s0_x0.5": ("attnres", 0, 0.5),
-             "124m_attnres_s1": ("attnres", 1, 1.0)}
-    for name, (mode, seed, scale) in names.items():
+    names = {"100m_mhar_s0": ("mhar", 0, 1.0, None, 0.0), "100m_attnres_s0_x0.5": ("attnres", 0, 0.5, None, 0.0),
+             "124m_attnres_s1": ("attnres", 1, 1.0, None, 0.0), "100m_mhar_s2_h2_q0.02": ("mhar", 2, 1.0, 2, 0.02)}
+    for name, (mode, seed, scale, heads, init) in names.items():
         assert len(re.findall(rf"^gpu [01]: {name}: done: step 4 ", r.stdout, re.M)) == 1, r.stdout
         cfg = json.loads(next(line for line in open(logs / f"{name}.txt") if line.startswith("config: "))[8:])
         assert (cfg["residual"], cfg["seed"], cfg["route_scale"], cfg["max_steps"]) == (mode, seed, scale, 4)
+        assert (cfg["route_heads"], cfg["route_init_std"]) == (heads, init)
         assert cfg["out_dir"] == f"out/study/{name}" and cfg["data_dir"] == data_dir
     before = {f: (logs / f).read_bytes() for f in os.listdir(logs)}
     r = run_sh(*specs)
-    assert r.returncode == 0 and r.stdout.count("done, skipped") == 4, r.stdout
+    assert r.returncode == 0 and r.stdout.count("done, skipped") == 5, r.stdout
     assert {f: (logs / f).read_bytes() for f in os.listdir(logs)} == before   # nothing rewritten
     study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
-    assert set(study.runs(str(logs))) == {("100m", "mhar", 0), ("100m", "attnres_x0.5", 0), ("124m", "attnres", 1)}
+    assert set(study.runs(str(logs))) == {("100m", "mhar", 0), ("100m", "attnres_x0.5", 0), ("124m", "attnres", 1),
+                                          ("100m", "mhar_h2_q0.02", 2)}
     r = run_sh("100m:mhar:1", "100m:mhar:0", EXTRA=env["EXTRA"] + " --no_such_flag=1")   # a run that fails
     assert r.returncode == 1 and "run.sh: 1 run(s) failed: 100m_mhar_s1" in r.stdout, r.stdout
     assert not (logs / "100m_mhar_s1.log.jsonl").exists() and "no_such_flag" in (logs / "100m_mhar_s1.txt").read_text()

@@ -66,7 +66,7 @@ class TrainConfig:
     beta2: float = 0.95                 # AdamW beta2
     adam_eps: float = 1e-8              # AdamW eps
     grad_clip: float = 1.0              # global gradient-norm clip (0 = off)
-    routing_lr_scale: float = 1.0       # delta mode: LR multiplier of the new routing parameters (own group, no decay)
+    routing_lr_scale: float = 1.0       # LR multiplier of the routing queries (delta: every routing parameter, no decay)
     z_loss: float = 0.0                 # logit z-loss coefficient (the paper's 8B mid-training: 1e-4)
     ema_decay: float = 0.0              # weight EMA, evaluated and saved beside the weights (0 = off; 8B recipe: 0.999)
     # evaluation and logging
@@ -166,7 +166,7 @@ def parse_args(argv):
         if getattr(cfg, key) not in allowed:
             raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
     positive = ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr",
-                "grad_bucket_mb")
+                "grad_bucket_mb", "routing_lr_scale")
     for rule, ok, keys in (("must be positive", lambda v: v > 0, positive),
                            ("must be >= 0", lambda v: v >= 0, ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps")),
                            ("must be in [0, 1] (the decay ends at lr * min_lr_ratio)", lambda v: 0 <= v <= 1, ("min_lr_ratio",)),
@@ -180,14 +180,14 @@ def parse_args(argv):
     return cfg
 
 
-def git_revision():
+def git_revision():   # where the copy has no .git (a GPU host, say): $MHAR_REVISION, set where git runs
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ["MHAR_REVISION"] + " (MHAR_REVISION)" if os.environ.get("MHAR_REVISION") else "unknown"
 
 
 def fail(msg):
@@ -346,7 +346,7 @@ def resolve_start(cfg, meta, master):
             ckpt = load_latest(ckpt_path, master)
         except ValueError as e:
             fail(e)
-        old = ckpt["train_config"]
+        old = {**asdict(Config()), **ckpt["train_config"]}   # an option newer than the checkpoint had its default
         skip = RESUMABLE | (set(MODEL_KEYS) if ckpt.get("model_source", "config") != "config" else set())
         diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in skip and old.get(k) != v]
         old_horizon = old["lr_decay_steps"] if old["lr_decay_steps"] > 0 else old["max_steps"]
@@ -724,7 +724,7 @@ def main(argv):
     params = [p for p in raw_model.parameters() if p.requires_grad]
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                                                cfg.decay_all, fused=rt.device_type == "cuda" and not cfg.fsdp,
-                                               routing_group=mcfg.residual == "delta", routing_lr_scale=cfg.routing_lr_scale)
+                                               routing_lr_scale=cfg.routing_lr_scale)
     named = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
     ema = EMA(named, cfg.ema_decay) if cfg.ema_decay > 0 else None
     try:

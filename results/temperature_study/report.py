@@ -1,16 +1,18 @@
 """
-The temperature study's report, from run.sh's logs (NAME.log.jsonl, NAME = SHAPE_MODE_sSEED[_xSCALE]): per-run
-metrics, the pre-registered paired comparisons (README.md: fixed before the runs), the s sweep, plots.
+The temperature study's report, from run.sh's logs (NAME.log.jsonl, NAME = SHAPE_MODE_sSEED[_xSCALE][_hH][_qINIT]):
+per-run metrics, the pre-registered paired comparisons (README.md: fixed before the runs), the s sweep, plots.
 
-  python results/temperature_study/report.py      # logs/: prints the markdown tables, writes curves_SHAPE.png and
-                                                  # scale_sweep.png here
+  python results/temperature_study/report.py      # logs/: prints the markdown tables, writes curves_SHAPE.png,
+                                                  # scale_sweep.png and head_vs_scale.png here
   python results/temperature_study/report.py results/temperature_study/logs_paper   # BUDGET=paper's runs; the
                                                   # figures go into that folder (--fig_dir to choose)
 
 Metrics: tail-5 = the mean of the last 5 evals (the primary metric: steps 1600-2000 at the reduced budget, 18k-20k at
 the paper's), final = the last eval. A comparison A - B pairs the runs of one seed (same initialisation of the shared
 weights, same data order): per-seed deltas, their mean, standard error (sd / sqrt(n)), t = mean / SE with the
-two-sided 95% critical value of Student's t for n - 1 degrees of freedom, and how many seeds agree in sign.
+two-sided 95% critical value of Student's t for n - 1 degrees of freedom, how many seeds agree in sign, and how many
+seeds a test at 95% would need for 80% power if the true delta were this mean at this spread (the normal
+approximation to the noncentral t: within a seed or two of the exact n at these sizes).
 """
 import glob
 import math
@@ -24,15 +26,62 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 from checkpoint import read_log  # noqa: E402
 # Student's t, two-sided 95%: critical values for 1..10 degrees of freedom
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-# the comparisons, fixed before the runs (README.md): (shape, A, B), a config = MODE or MODE_xSCALE
+# the comparisons, fixed before the runs (README.md): (shape, A, B), a config = MODE[_xSCALE][_hH][_qINIT]
 PLAN = [("100m", "attnres_x0.5", "mhar"),       # the decisive one: single head at H = 4's temperature against MHAR
         ("100m", "attnres", "mhar"),            # the paper's claim at this budget
         ("100m", "attnres", "attnres_x0.5"),    # what the temperature alone buys
         ("100m", "mhar", "baseline"), ("100m", "attnres", "baseline"), ("100m", "attnres_x0.5", "baseline"),
         ("124m", "attnres_x0.5", "mhar"), ("124m", "attnres", "mhar"), ("124m", "attnres", "attnres_x0.5"),
         ("350m", "attnres_x0.354", "mhar"), ("350m", "attnres", "mhar"), ("350m", "attnres", "attnres_x0.354")]
+# the second study, fixed before its runs (README.md: "The paper's condition and the router's speed")
+PLAN2 = [  # 100M, zero init: MHAR's H against the single head's s, under s = 1/H and s = 1/sqrt(H)
+         ("100m", "attnres_x0.5", "mhar_h2"), ("100m", "attnres_x0.25", "mhar"), ("100m", "attnres_x0.125", "mhar_h8"),
+         ("100m", "attnres_x0.0625", "mhar_h16"), ("100m", "attnres_x0.25", "mhar_h16"),
+         # does a faster router take back what 16 heads lose?
+         ("100m", "mhar_h16", "mhar"), ("100m", "mhar_x2_h16", "mhar_h16"), ("100m", "mhar_x4_h16", "mhar_h16"),
+         ("100m", "mhar_x4_h16", "mhar"),
+         # 124M, the paper's random-init queries (std 0.02); then the 1/H match with zero init
+         ("124m", "attnres_q0.02", "mhar_q0.02"), ("124m", "attnres_x0.5_q0.02", "mhar_q0.02"),
+         ("124m", "attnres_q0.02", "attnres"), ("124m", "mhar_q0.02", "mhar"), ("124m", "attnres_x0.25", "mhar"),
+         # 350M, random init (optional; 2 seeds: a direction only)
+         ("350m", "attnres_q0.02", "mhar_q0.02"), ("350m", "attnres_x0.354_q0.02", "mhar_q0.02"),
+         ("350m", "attnres_q0.02", "baseline"), ("350m", "mhar_q0.02", "baseline")]
+# differences of paired differences: does random init hurt the single head more than MHAR (the later draft's claim)?
+INTERACTIONS = [("124m", ("attnres_q0.02", "attnres"), ("mhar_q0.02", "mhar")),
+                ("124m", ("attnres_x0.5_q0.02", "attnres_x0.5"), ("mhar_q0.02", "mhar"))]
 # comparisons added after the planned runs were seen: printed apart, as descriptions (their t is shown, not tested)
 ADDED = [("124m", "mhar", "baseline"), ("124m", "attnres", "baseline"), ("124m", "attnres_x0.5", "baseline")]
+
+
+CONFIG = re.compile(r"(baseline|attnres|mhar)(?:_x([\d.]+))?(?:_h(\d+))?(?:_q([\d.]+))?")
+
+
+def parse(cfg):
+    """(mode, route_scale, route_heads or None, route_init_std) of a config name MODE[_xSCALE][_hH][_qINIT]."""
+    m = CONFIG.fullmatch(cfg)
+    return m[1], float(m[2] or 1), int(m[3]) if m[3] else None, float(m[4] or 0)
+
+
+def family(cfg):
+    """A config without its route_scale: one curve of the s sweep."""
+    mode, _, heads, init = parse(cfg)
+    return mode + (f"_h{heads}" if heads else "") + (f"_q{init:g}" if init else "")
+
+
+def t95(df):
+    """Student's two-sided 95% critical value: the table, else the Cornish-Fisher expansion (error < 0.002)."""
+    z = 1.959964
+    return T95.get(df) or z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def seeds_for_power(mean, sd, power=0.8):
+    """Seeds a paired test at 95% needs for this power if the true delta is `mean` at per-seed spread `sd`."""
+    if not sd or not mean:
+        return None
+    for n in range(2, 10000):
+        if 0.5 * (1 + math.erf((abs(mean) * math.sqrt(n) / sd - t95(n - 1)) / math.sqrt(2))) >= power:
+            return n
+    return None
 
 
 def load(path):
@@ -46,9 +95,10 @@ def runs(log_dir):
     """{(shape, config, seed): metrics} of every finished run."""
     out = {}
     for path in sorted(glob.glob(os.path.join(log_dir, "*.log.jsonl"))):
-        m = re.fullmatch(r"(\w+?)_(baseline|attnres|mhar)_s(\d+)(_x[\d.]+)?", os.path.basename(path)[:-len(".log.jsonl")])
+        m = re.fullmatch(r"(\w+?)_(baseline|attnres|mhar)_s(\d+)((?:_x[\d.]+)?(?:_h\d+)?(?:_q[\d.]+)?)",
+                         os.path.basename(path)[:-len(".log.jsonl")])
         if m:
-            out[(m[1], m[2] + (m[4] or ""), int(m[3]))] = load(path)
+            out[(m[1], m[2] + m[4], int(m[3]))] = load(path)
     return out
 
 
@@ -58,37 +108,65 @@ def paired(rs, shape, a, b, metric):
     d = [rs[(shape, a, s)][metric] - rs[(shape, b, s)][metric] for s in seeds]
     if len(d) < 2:
         return seeds, d, None
-    mean, se = statistics.mean(d), statistics.stdev(d) / math.sqrt(len(d))
-    return seeds, d, dict(mean=mean, se=se, t=mean / se if se > 0 else float("inf"), t95=T95.get(len(d) - 1, 1.96))
+    return seeds, d, stats(d)
+
+
+def stats(d):
+    """mean, SE, t, the 95% critical t, the 95% interval and the seeds for 80% power of per-seed deltas d."""
+    mean, sd = statistics.mean(d), statistics.stdev(d)
+    se, crit = sd / math.sqrt(len(d)), t95(len(d) - 1)
+    return dict(mean=mean, se=se, t=mean / se if se > 0 else float("inf"), t95=crit, lo=mean - crit * se,
+                hi=mean + crit * se, n80=seeds_for_power(mean, sd))
+
+
+def interaction(rs, shape, first, second, metric):
+    """(seeds, per-seed (A1 - B1) - (A2 - B2), stats or None) over the seeds that have all four configs."""
+    seeds = sorted(s for (sh, c, s) in rs if sh == shape and c == first[0]
+                   and all((shape, c2, s) in rs for c2 in (*first[1:], *second)))
+    d = [(rs[(shape, first[0], s)][metric] - rs[(shape, first[1], s)][metric])
+         - (rs[(shape, second[0], s)][metric] - rs[(shape, second[1], s)][metric]) for s in seeds]
+    return seeds, d, stats(d) if len(d) > 1 else None
 
 
 def tables(rs):
     lines = ["| shape | config | seed | steps | final | tail-5 |", "|---|---|---|---|---|---|"]
     for (shape, cfg, seed), r in sorted(rs.items()):
         lines.append(f"| {shape} | {cfg} | {seed} | {r['last']} | {r['final']:.4f} | {r['tail']:.4f} |")
-    for title, pairs in (("planned", PLAN), ("added after the runs: descriptions, no test", ADDED)):
+    head = ["| shape | A - B | seeds | per-seed deltas, tail-5 | mean +- SE, tail-5 | \\|mean\\| / SE (95%: >) | "
+            "same sign | mean +- SE, final | 95% interval, tail-5 | seeds for 80% power |", "|" + "---|" * 10]
+    for title, pairs in (("planned", PLAN), ("the second study, planned", PLAN2),
+                         ("added after the runs: descriptions, no test", ADDED)):
         rows = [pair_row(rs, *p) for p in pairs]
         if any(rows):
-            lines += ["", f"Comparisons, {title}:", "",
-                      "| shape | A - B | seeds | per-seed deltas, tail-5 | mean +- SE, tail-5 | \\|mean\\| / SE (95%: >) | "
-                      "same sign | mean +- SE, final |", "|---|---|---|---|---|---|---|---|"] + [r for r in rows if r]
+            lines += ["", f"Comparisons, {title}:", ""] + head + [r for r in rows if r]
+    rows = [interaction_row(rs, *i) for i in INTERACTIONS]
+    if any(rows):
+        lines += ["", "Interactions, planned ((A1 - B1) - (A2 - B2), paired by seed):", ""] + head + [r for r in rows if r]
     return "\n".join(lines)
 
 
 def pair_row(rs, shape, a, b):
     """One comparison's table row, or None when no seed has both configs."""
     seeds, d, st = paired(rs, shape, a, b, "tail")
-    if not seeds:
-        return None
-    _, _, fin = paired(rs, shape, a, b, "final")
+    return row(shape, f"{a} - {b}", seeds, d, st, paired(rs, shape, a, b, "final")[2]) if seeds else None
+
+
+def interaction_row(rs, shape, first, second):
+    seeds, d, st = interaction(rs, shape, first, second, "tail")
+    name = f"({first[0]} - {first[1]}) - ({second[0]} - {second[1]})"
+    return row(shape, name, seeds, d, st, interaction(rs, shape, first, second, "final")[2]) if seeds else None
+
+
+def row(shape, name, seeds, d, st, fin):
     same = max(sum(x > 0 for x in d), sum(x < 0 for x in d))
-    return (f"| {shape} | {a} - {b} | {','.join(map(str, seeds))} | {' '.join(f'{x:+.4f}' for x in d)} | "
+    return (f"| {shape} | {name} | {','.join(map(str, seeds))} | {' '.join(f'{x:+.4f}' for x in d)} | "
             + (f"{st['mean']:+.4f} +- {st['se']:.4f} | {abs(st['t']):.2f} ({st['t95']:.2f}) | {same}/{len(d)} | "
-               f"{fin['mean']:+.4f} +- {fin['se']:.4f} |" if st else "- | - | - | - |"))
+               f"{fin['mean']:+.4f} +- {fin['se']:.4f} | {st['lo']:+.4f} to {st['hi']:+.4f} | {st['n80'] or '-'} |"
+               if st else "- | - | - | - | - | - |"))
 
 
 def scale_of(cfg):
-    return float(cfg.split("_x")[1]) if "_x" in cfg else 1.0
+    return parse(cfg)[1]
 
 
 def common_seeds(rs, shape):
@@ -109,13 +187,13 @@ def sweep(rs):
         if not seeds:
             continue
         for cfg in sorted({c for (sh, c, _) in rs if sh == shape and c != "baseline"},
-                          key=lambda c: (c.split("_x")[0], -scale_of(c))):
+                          key=lambda c: (family(c), -scale_of(c))):
             ts = [rs[(shape, cfg, sd)]["tail"] for sd in seeds]
             gap = (" ".join(f"{t - rs[(shape, 'mhar', sd)]['tail']:+.4f}" for t, sd in zip(ts, seeds))
                    if cfg != "mhar" and all((shape, "mhar", sd) in rs for sd in seeds) else "-")
             every = [r["tail"] for (sh, c, _), r in rs.items() if sh == shape and c == cfg]
             se = f" +- {statistics.stdev(every) / math.sqrt(len(every)):.4f}" if len(every) > 1 else ""
-            lines.append(f"| {shape} | {cfg.split('_x')[0]} | {scale_of(cfg):g} | "
+            lines.append(f"| {shape} | {family(cfg)} | {scale_of(cfg):g} | "
                          f"{' '.join(f'{t:.4f}' for t in ts)} (seeds {','.join(map(str, seeds))}) | "
                          f"{statistics.mean(ts):.4f} | {gap} | {len(every)}, {statistics.mean(every):.4f}{se} |")
     return "\n".join(lines)
@@ -165,10 +243,10 @@ def plots(rs, out_dir):
     scales = set()
     for shape in sorted({k[0] for k in rs}):
         seeds = common_seeds(rs, shape)
-        for mode in sorted({k[1].split("_x")[0] for k in rs if k[0] == shape and k[1] != "baseline"}):
+        for mode in sorted({family(k[1]) for k in rs if k[0] == shape and k[1] != "baseline"}):
             pts = {}   # scale -> {seed: tail-5}
             for (sh, cfg, seed), r in rs.items():
-                if sh == shape and cfg.split("_x")[0] == mode:
+                if sh == shape and family(cfg) == mode:
                     pts.setdefault(scale_of(cfg), {})[seed] = r["tail"]
             xs = sorted(pts)
             scales |= set(xs)
@@ -190,6 +268,38 @@ def plots(rs, out_dir):
         ax.minorticks_off()
         legend(ax)
     fig.savefig(os.path.join(out_dir, "scale_sweep.png"), dpi=120)
+    plt.close(fig)
+    head_vs_scale(rs, out_dir, plt)
+
+
+def head_vs_scale(rs, out_dir, plt, shape="100m"):
+    """head_vs_scale.png: zero-init MHAR's tail-5 against its head count H (s = 1; H = 1 is the single head), and the
+    single head's against its route_scale s, drawn at the H that s matches under s = 1/H and under s = 1/sqrt(H):
+    mean +- SE over each point's seeds. The curves coincide where a head count is only a router speed or scale."""
+    def points(select):
+        pts = {}
+        for (sh, cfg, seed), r in rs.items():
+            mode, s, heads, init = parse(cfg)
+            x = select(mode, s, heads) if sh == shape and not init else None
+            if x is not None:
+                pts.setdefault(x, []).append(r["tail"])
+        return sorted(pts.items())
+    series = [("MHAR, s = 1: H", lambda m, s, h: (h or 4) if m == "mhar" and s == 1 else 1 if m == "attnres" and s == 1 else None),
+              ("single head at s, drawn at H = 1/s", lambda m, s, h: 1 / s if m == "attnres" else None),
+              ("single head at s, drawn at H = 1/s^2", lambda m, s, h: 1 / s**2 if m == "attnres" else None)]
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    for (label, select), marker in zip(series, "osD"):
+        pts = points(select)
+        if pts:
+            xs, ys = [x for x, _ in pts], [y for _, y in pts]
+            ax.errorbar(xs, [statistics.mean(y) for y in ys], marker=marker, capsize=3, label=label,
+                        yerr=[statistics.stdev(y) / math.sqrt(len(y)) if len(y) > 1 else 0 for y in ys])
+    ax.set(xscale="log", xlabel="routing heads H (or the H a single head's s matches)", ylabel="tail-5 validation loss",
+           title=f"{shape}, zero-init queries: heads against router speed")
+    ax.set_xticks([1, 2, 4, 8, 16, 32, 64], ["1", "2", "4", "8", "16", "32", "64"])
+    ax.minorticks_off()
+    legend(ax)
+    fig.savefig(os.path.join(out_dir, "head_vs_scale.png"), dpi=120)
     plt.close(fig)
 
 

@@ -1,8 +1,11 @@
 #!/bin/bash
 # Paired multi-seed runs, resumable: bash results/temperature_study/run.sh SPEC [SPEC ...]
-#   SPEC = SHAPE:MODE:SEED[:SCALE]   SHAPE 100m | 124m | 350m (d512 / L12, d768 / L12 as config/repro_124m.py,
-#   d1024 / L24), MODE baseline | attnres | mhar, SCALE the route_scale (default 1); NAME = SHAPE_MODE_sSEED[_xSCALE]
-#   e.g. bash results/temperature_study/run.sh 100m:attnres:0:0.5 100m:mhar:0 124m:attnres:2:0.5
+#   SPEC = SHAPE:MODE:SEED[:SCALE[:H[:INIT]]]   SHAPE 100m | 124m | 350m (d512 / L12, d768 / L12 as
+#   config/repro_124m.py, d1024 / L24), MODE baseline | attnres | mhar, SCALE the route_scale (default 1), H mhar's
+#   route_heads (default: the KV heads), INIT the route_init_std (default 0: zero queries; 0.02: random, the paper's
+#   FineWeb runs). NAME = SHAPE_MODE_sSEED[_xSCALE][_hH][_qINIT]: a suffix only where the spec gives a value other than
+#   the default, so 100m:mhar:0 and 100m:mhar:0:1::0 are one run (H, if given, always names it: 100m:mhar:0:1:4 is a
+#   run of its own). e.g. bash results/temperature_study/run.sh 100m:attnres:0:0.5 100m:mhar:0:1:16 124m:attnres:2:1::0.02
 # BUDGET=reduced (default): config/repro_100m.py's 2,000 steps of 32 x 1024 tokens on the offline books+Wikipedia
 #   text (tokenized into data/books_wiki on first use, from $TEXT, default ../shared/data/text); logs in logs/.
 # BUDGET=paper: the paper's 20k steps (config/train_100m.py at 100M and 124M, config/train_350m.py at 350M, Table 1's
@@ -13,6 +16,8 @@
 # EXTRA="--lr=5e-4" appends train.py arguments to every run (give such runs their own LOGS: the names do not show it).
 # SAVE=True keeps a reduced run's checkpoint in out/study/NAME (for eval.py); by default only the logs are kept.
 # Long lists can run in the background of a warm machine: nohup bash results/temperature_study/run.sh ... &
+# A copy without .git names its tree in each run's header by MHAR_REVISION: MHAR_REVISION=$(git rev-parse --short HEAD)
+#   where the checkout is, then MHAR_REVISION=<that> bash results/temperature_study/run.sh ... where the copy runs.
 set -eo pipefail
 BUDGET=${BUDGET:-reduced}
 GPUS=${GPUS:-1}
@@ -28,14 +33,20 @@ if [ "$GPUS" != 1 ] && command -v nvidia-smi > /dev/null; then
   have=$(nvidia-smi -L | wc -l)
   if [ "$GPUS" -gt "$have" ]; then echo "run.sh: GPUS=$GPUS but nvidia-smi lists $have GPUs: give GPUS=$have or fewer"; exit 2; fi
 fi
-if [ $# = 0 ]; then echo "usage: bash results/temperature_study/run.sh SHAPE:MODE:SEED[:SCALE] ... (see its head)"; exit 2; fi
+if [ $# = 0 ]; then echo "usage: bash results/temperature_study/run.sh SHAPE:MODE:SEED[:SCALE[:H[:INIT]]] ... (see its head)"; exit 2; fi
 for spec in "$@"; do   # every spec is checked before the first run starts
-  IFS=: read -r shape mode seed scale rest <<< "$spec"
+  IFS=: read -r shape mode seed scale heads init rest <<< "$spec"
   case $shape in 100m|124m|350m) ;; *) echo "run.sh: unknown shape '$shape' in '$spec' (100m | 124m | 350m)"; exit 2 ;; esac
   case $mode in baseline|attnres|mhar) ;; *) echo "run.sh: unknown mode '$mode' in '$spec' (baseline | attnres | mhar)"; exit 2 ;; esac
   case $seed in ''|*[!0-9]*) echo "run.sh: seed '$seed' in '$spec' is not a non-negative integer"; exit 2 ;; esac
   if [ -n "$rest" ] || ! [[ ${scale:-1} =~ ^[0-9]*\.?[0-9]+$ && ${scale:-1} =~ [1-9] ]]; then
-    echo "run.sh: '$spec' is not SHAPE:MODE:SEED[:SCALE] with a positive number as SCALE"; exit 2
+    echo "run.sh: '$spec' is not SHAPE:MODE:SEED[:SCALE[:H[:INIT]]] with a positive number as SCALE"; exit 2
+  fi
+  if [ -n "$heads" ] && { ! [[ $heads =~ ^[1-9][0-9]*$ ]] || { [ "$mode" != mhar ] && [ "$heads" != 1 ]; }; }; then
+    echo "run.sh: H '$heads' in '$spec' is not a positive integer (and a single head's H is 1)"; exit 2
+  fi
+  if [ -n "$init" ] && { ! [[ $init =~ ^[0-9]*\.?[0-9]+$ ]] || { [ "$mode" = baseline ] && [[ $init =~ [1-9] ]]; }; }; then
+    echo "run.sh: INIT '$init' in '$spec' is not a number >= 0 (and the baseline has no queries)"; exit 2
   fi
 done
 if [ ! -f "$DATA/meta.json" ]; then
@@ -50,8 +61,8 @@ fi
 mkdir -p "$LOGS" "$RUNS"
 
 run_one() {   # SPEC: train it unless its log is in $LOGS
-  local shape mode seed scale cfg shape_args name start
-  IFS=: read -r shape mode seed scale <<< "$1"
+  local shape mode seed scale heads init cfg shape_args name start route_args=""
+  IFS=: read -r shape mode seed scale heads init <<< "$1"
   scale=${scale:-1}
   case $BUDGET:$shape in
     reduced:100m) cfg=config/repro_100m.py ;;
@@ -64,6 +75,8 @@ run_one() {   # SPEC: train it unless its log is in $LOGS
   esac
   name=${shape}_${mode}_s${seed}
   if [ "$scale" != 1 ]; then name=${name}_x$scale; fi
+  if [ -n "$heads" ] && [ "$mode" = mhar ]; then name=${name}_h$heads; route_args="--route_heads=$heads"; fi
+  if [[ ${init:-0} =~ [1-9] ]]; then name=${name}_q$init; route_args="$route_args --route_init_std=$init"; fi
   if [ -f "$LOGS/$name.log.jsonl" ]; then echo "$name: done, skipped"; return; fi
   start=--init_from=scratch
   if [ "$BUDGET" = paper ] && [ -f "$RUNS/$name/ckpt.pt" ]; then
@@ -72,7 +85,7 @@ run_one() {   # SPEC: train it unless its log is in $LOGS
     rm -rf "${RUNS:?}/$name"   # a reduced run, or one stopped before its first checkpoint, starts over
     : > "$LOGS/$name.txt"
   fi
-  local cmd="python train.py $cfg --residual=$mode --seed=$seed --route_scale=$scale $shape_args --data_dir=$DATA
+  local cmd="python train.py $cfg --residual=$mode --seed=$seed --route_scale=$scale $route_args $shape_args --data_dir=$DATA
     --save=$SAVE --out_dir=$RUNS/$name --log_interval=10 $start $EXTRA"
   echo "run.sh: "$cmd >> "$LOGS/$name.txt"   # the command, on one line, above its output
   $cmd >> "$LOGS/$name.txt" 2>&1 || { echo "$name: failed (see $LOGS/$name.txt)"; echo "$name" >> "$failed"; return; }
