@@ -334,13 +334,17 @@ def generate_main(argv):
     p.add_argument("--residual", default="mhar", choices=("baseline", "hyper", "attnres", "mhar"))
     p.add_argument("--output", default="out/generate_bench.json", help="results JSON")
     args = p.parse_args(argv)
+    batches = [int(x) for x in args.batch.split(",") if x.strip().isdigit()]
+    if len(batches) != len(args.batch.split(",")) or min(batches + [args.prompt, args.new]) < 1:
+        sys.exit(f"bench.py generate: error: --prompt={args.prompt}, --new={args.new} and --batch={args.batch!r} "
+                 "must be positive integers (--batch: comma-separated)")
     kw, _ = scale_config(args.scale, 50304)
     model = GPT(GPTConfig(**{**kw, "residual": args.residual})).to(args.device).eval()
     cuda = args.device.startswith("cuda")
     ways = [("cache, graph", True, True)] if cuda else []
     ways += [("cache, eager", True, False), ("no cache", False, False)]
     rows = []
-    for B in [int(b) for b in args.batch.split(",")]:
+    for B in batches:
         prompt = torch.randint(0, model.cfg.vocab_size, (B, args.prompt), device=args.device)
         for name, use_cache, graph in ways:
             with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False):

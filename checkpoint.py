@@ -14,12 +14,14 @@ the errors into its one-line messages; eval.py and the results/ report scripts r
 """
 import atexit
 import errno
+import hashlib
 import json
 import os
 import random
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 import zipfile
@@ -101,32 +103,52 @@ def write_checkpoint(path, payload, step):
             os.fsync(f.fileno())
         read_checkpoint(tmp)
     except Exception as e:
+        message = write_failure(path, tmp, step, e)   # (it looks at the partial file: before its removal)
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise CheckpointWriteError(write_failure(path, tmp, step, e)) from e
+        raise CheckpointWriteError(message) from e
     if os.path.exists(path):
         os.replace(path, previous_checkpoint(path))
     os.replace(tmp, path)
 
 
 def write_failure(path, tmp, step, error):
-    """The one line for a checkpoint that could not be written: disk full or not, and which checkpoints are intact."""
-    folder = os.path.dirname(os.path.abspath(path))
-    free = shutil.disk_usage(folder).free
-    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error) \
-        or "unexpected pos" in str(error) or free < 2**20
-    why = (f"no space left on the device of {folder} ({free / 1e9:.2f} GB free)" if full
-           else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    """The one line for a checkpoint that could not be written: what stopped the write (write_cause), and which
+    checkpoints are intact."""
+    cause, advice = write_cause(error, os.path.dirname(os.path.abspath(path)), tmp)
     kept = []
     for p in (path, previous_checkpoint(path)):
         try:
             kept.append(f"{p} (step {read_checkpoint(p)['step']})")
         except (ValueError, FileNotFoundError):   # absent, or itself unreadable: not intact
             pass
-    return (f"saving the step-{step} checkpoint failed: {why}, writing {tmp}; the partial file is removed. "
+    return (f"saving the step-{step} checkpoint failed: {cause}, writing {tmp}; the partial file is removed. "
             + (f"Intact: {', '.join(kept)}. " if kept else "No earlier checkpoint exists. ")
-            + ("Free some space, then continue with --init_from=resume" if full else "Fix the cause, then continue "
-               "with --init_from=resume"))
+            + f"{advice}, then continue with --init_from=resume")
+
+
+def write_cause(error, folder, tmp):
+    """(what stopped a write, what to do): the errno's own cause where the error chain carries one (torch's zip
+    writer often carries none), else what the disk, the process's file-size limit and the folder show."""
+    import resource
+    code, e = None, error
+    while e is not None and code is None:
+        code = e.errno if isinstance(e, OSError) and e.errno else None
+        e = e.__cause__ or e.__context__
+    free = shutil.disk_usage(folder).free
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    written = os.path.getsize(tmp) if os.path.isfile(tmp) else 0
+    if code in (errno.ENOSPC, errno.EDQUOT) or (code is None and free < 2**20):
+        what = "the disk quota is used up" if code == errno.EDQUOT else "no space left on the device"
+        return f"{what} of {folder} ({free / 1e9:.2f} GB free)", "Free some space"
+    if code == errno.EFBIG or (code is None and size_limit != resource.RLIM_INFINITY and written >= size_limit - 2**20):
+        limit = "" if size_limit == resource.RLIM_INFINITY else f" ({size_limit:,} bytes)"
+        return f"the file outgrew this process's file-size limit{limit}, `ulimit -f`", "Raise it (ulimit -f unlimited)"
+    if code == errno.EROFS:
+        return f"{folder} is on a read-only file system", "Choose another --out_dir"
+    if code in (errno.EACCES, errno.EPERM) or (code is None and not os.access(folder, os.W_OK)):
+        return f"no permission to write in {folder}", "Make it writable or choose another --out_dir"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", "Fix the cause"
 
 
 def load_latest(ckpt_path, master, say=print):
@@ -175,6 +197,61 @@ def restore(ckpt, model, optimizer, ema, cfg, rt):
     if rt.device_type == "cuda" and rng.get("cuda") is not None:
         torch.cuda.set_rng_state(rng["cuda"])
     return ckpt["step"]
+
+
+# ---- what a checkpoint says it came from: the data and the tree ----------------------------------------------------
+
+def data_identity(data_dir, meta, block=1 << 16, samples=64):
+    """What a resume checks the data against: meta.json's tokenizer and inputs, and per token file its size and a
+    SHA-256 of both ends and `samples` evenly spaced blocks (a few MB read, whatever the file's size). No paths: a
+    folder moved elsewhere holds the same data."""
+    files = {}
+    for name in ("train.bin", "val.bin"):
+        path = os.path.join(data_dir, name)
+        size, digest = os.path.getsize(path), hashlib.sha256()
+        last = max(0, size - block)
+        with open(path, "rb") as f:
+            for offset in sorted({0, last, *(i * last // samples for i in range(samples))}):
+                f.seek(offset)
+                digest.update(f.read(block))
+        files[name] = {"bytes": size, "sampled_sha256": digest.hexdigest()}
+    return {"tokenizer_id": meta.get("tokenizer_id"), "inputs": meta.get("inputs"), "val_inputs": meta.get("val_inputs"),
+            "files": files}
+
+
+def data_changes(old, new, data_dir, say=print):
+    """How the data differ from a checkpoint's (data_identity's): one phrase per change, [] for the same tokens. A
+    checkpoint without an identity (older) gets one line saying the data could not be checked; other inputs named in
+    meta.json with the same tokens get one line too."""
+    if old is None:
+        say(f"train.py: the checkpoint records no identity of its data (an older checkpoint): {data_dir} is resumed "
+            "unchecked beyond its tokenizer and token count")
+        return []
+    changes = [f"tokenizer {old.get('tokenizer_id')!r} -> {new['tokenizer_id']!r}"] \
+        if old.get("tokenizer_id") != new["tokenizer_id"] else []
+    for name, f in new["files"].items():
+        was = old.get("files", {}).get(name, {})
+        if was.get("bytes") != f["bytes"]:
+            changes.append(f"{name}: {was.get('bytes')} -> {f['bytes']} bytes")
+        elif was.get("sampled_sha256") != f["sampled_sha256"]:
+            changes.append(f"{name}: the same size but other tokens (its sampled blocks differ)")
+    moved = (old.get("inputs"), old.get("val_inputs")) != (new["inputs"], new["val_inputs"])
+    if moved and changes:
+        changes.append(f"meta.json inputs {old.get('inputs')} -> {new['inputs']}")
+    elif moved:
+        say(f"train.py: {data_dir}/meta.json names other inputs ({old.get('inputs')} -> {new['inputs']}), with the same "
+            "tokens: resuming")
+    return changes
+
+
+def git_revision():   # where the copy has no .git (a GPU host, say): $MHAR_REVISION, set where git runs
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ["MHAR_REVISION"] + " (MHAR_REVISION)" if os.environ.get("MHAR_REVISION") else "unknown"
 
 
 # ---- log.jsonl --------------------------------------------------------------------------------------------------------
@@ -238,9 +315,11 @@ def lock_out_dir(out_dir, say=print):
                 pid, host, since = int(other["pid"]), other["host"], other.get("since", "?")
             except (OSError, ValueError, KeyError, TypeError):
                 other = None   # unreadable: a lock being written this instant, or a broken one
-            if other is None:
+            if other is None:   # a lock being written this instant, or a broken one: wait, then take a broken one over
                 time.sleep(0.2)
                 if os.path.exists(path) and time.time() - os.path.getmtime(path) > 5:
+                    say(f"train.py: taking over {path}, which cannot be read (not a lock a run of this code wrote, or "
+                        "one cut short)")
                     os.remove(path)
                 continue
             if host != me["host"]:

@@ -76,11 +76,24 @@ def model_config(hf, route_heads=None, num_blocks=8, block_size=None):
         route_heads=route_heads, num_blocks=num_blocks)
 
 
+def read_json(path):
+    """A JSON file, or an error naming it: missing, or not JSON."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: --hf_dir must hold a Hugging Face checkpoint")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON ({e}): truncated or corrupt? Download it again") from None
+
+
 def shard_files(hf_dir):
     """(file -> tensor names) of the checkpoint's safetensors, every file checked to exist."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        weight_map = json.load(open(index))["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map (not a safetensors index)")
         files = {}
         for name, fname in weight_map.items():
             files.setdefault(fname, []).append(name)
@@ -94,13 +107,41 @@ def shard_files(hf_dir):
     return files
 
 
+class open_shard:
+    """safetensors' safe_open of one shard, whose errors (a truncated, corrupt or foreign file) name the file."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+        self.path = path
+        try:
+            self.file = safe_open(path, framework="pt").__enter__()
+        except Exception as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {str(e).splitlines()[0]}): "
+                             "truncated or corrupt? Download it again") from None
+
+    def __enter__(self):
+        return self
+
+    def keys(self):
+        return self.file.keys()
+
+    def get_tensor(self, name):
+        try:
+            return self.file.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{self.path}: tensor {name} cannot be read ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0]}): truncated or corrupt? Download it again") from None
+
+    def __exit__(self, *exc):
+        return self.file.__exit__(*exc)
+
+
 def load_weights(hf_dir, cfg, dtype):
     """model.py state dict (without routing parameters) from the safetensors shards, one tensor at a time."""
-    from safetensors import safe_open
     expected = _shapes(cfg)
     state = {}
     for fname in sorted(shard_files(hf_dir)):
-        with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
+        with open_shard(os.path.join(hf_dir, fname)) as f:
             for name in f.keys():
                 ours = _our_name(name)
                 if ours is None:
@@ -110,7 +151,7 @@ def load_weights(hf_dir, cfg, dtype):
                 if ours not in expected:
                     raise ValueError(f"{fname}: tensor {name!r} does not fit the config (no {ours} in the model; "
                                      "qk-norm weights in a Llama checkpoint, or a layer beyond num_hidden_layers?)")
-                t = f.get_tensor(name)
+                t = f.get_tensor(name)   # (a file cut short fails here or in open_shard, naming the file)
                 if tuple(t.shape) != expected[ours]:
                     raise ValueError(f"{fname}: {name} has shape {tuple(t.shape)}, the config implies {expected[ours]}")
                 state[ours] = t.to(dtype)
@@ -184,10 +225,15 @@ def main(argv=None):
     args = p.parse_args(argv)
     t0 = time.time()
     try:
+        for name, least in (("route_heads", 1), ("num_blocks", 1), ("block_size", 2), ("check_batches", 0)):
+            if getattr(args, name) is not None and getattr(args, name) < least:
+                raise ValueError(f"--{name}={getattr(args, name)} must be >= {least}")
+        if not os.path.isdir(args.hf_dir):
+            raise FileNotFoundError(f"--hf_dir={args.hf_dir}: no such folder")
         out = os.path.join(args.out_dir, "ckpt.pt")
         if os.path.exists(out) and not args.force:
             raise FileExistsError(f"{out} exists: choose another --out_dir or pass --force")
-        hf = json.load(open(os.path.join(args.hf_dir, "config.json")))
+        hf = read_json(os.path.join(args.hf_dir, "config.json"))
         cfg = model_config(hf, args.route_heads, args.num_blocks, args.block_size)
         tok_src = args.tokenizer or os.path.join(args.hf_dir, "tokenizer.json")
         if tok_src.endswith(".json") and not os.path.isfile(tok_src):

@@ -299,25 +299,58 @@ def harness_lm(model, enc, max_length, batch_size, device, max_gen_toks=256):
                   max_gen_toks=max_gen_toks)
 
 
-def run_harness(args, model, enc, tasks):
-    """lm_eval.simple_evaluate of each task, zero-shot (the paper's Table 2 setting): {task: metrics, seconds}."""
-    import time
+def harness_tasks(tasks, data_root):
+    """(lm_eval's TaskManager, the task names to run): every name checked against the harness' registry (and this
+    repo's local task files) before any model loads; with data_root, the three Table 2 tasks become their local
+    versions."""
     try:
-        import lm_eval
         from lm_eval.tasks import TaskManager
     except ImportError as e:
         raise RuntimeError("--harness needs lm-evaluation-harness: pip install lm-eval (requirements.txt)") from e
     metadata = None
-    if args.data_root:   # the local task files (they never ask the Hub; other tasks still may)
-        metadata = {"data_root": os.path.abspath(args.data_root)}
+    if data_root:   # the local task files (they never ask the Hub; other tasks still may)
+        metadata = {"data_root": os.path.abspath(data_root)}
         tasks = [LOCAL_HARNESS.get(t, t) for t in tasks]
     manager = TaskManager(include_path=HARNESS_TASKS, metadata=metadata)
+    known = set(manager.all_tasks)
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        import difflib
+        close = {t: difflib.get_close_matches(t, known, n=3) for t in unknown}
+        raise ValueError(f"--tasks: unknown harness task(s) {', '.join(unknown)}"
+                         + "".join(f" ({t}: did you mean {' or '.join(c)}?)" for t, c in close.items() if c)
+                         + f"; the harness knows {len(known):,} (`lm_eval ls tasks` lists them)")
+    return manager, tasks
+
+
+def _offline(error):
+    """Did this error come from an unreachable Hugging Face Hub (its chain searched)?"""
+    while error is not None:
+        text = f"{type(error).__name__}: {error}"
+        if any(s in text for s in ("ConnectionError", "LocalEntryNotFound", "OfflineModeIsEnabled", "Couldn't reach",
+                                   "couldn't connect", "Max retries exceeded", "Name or service not known")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def run_harness(args, model, enc, manager, tasks):
+    """lm_eval.simple_evaluate of each task, zero-shot (the paper's Table 2 setting): {task: metrics, seconds}."""
+    import time
+    import lm_eval
     lm = harness_lm(model, enc, args.block_size or default_block_size(model), args.batch_size, args.device)
     results = {}
     for task in tasks:
         t0 = time.time()
-        res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, num_fewshot=0, limit=args.limit,
-                                      log_samples=False, bootstrap_iters=0)
+        try:
+            res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, num_fewshot=0, limit=args.limit,
+                                          log_samples=False, bootstrap_iters=0)
+        except Exception as e:
+            if not _offline(e):
+                raise
+            raise RuntimeError(f"harness task {task!r} needs the Hugging Face Hub, which cannot be reached "
+                               f"({type(e).__name__}); connect, or pass --data_root=DIR with local copies laid out like "
+                               "../shared/data/eval (wikitext, lambada_openai and hellaswag then run from them)") from e
         metrics = {k.split(",")[0]: v for k, v in res["results"][task].items()
                    if "," in k and not k.split(",")[0].endswith("_stderr") and isinstance(v, (int, float))}
         results[task] = {**metrics, "seconds": round(time.time() - t0, 1), "n": res["n-samples"][task]["effective"]}
@@ -538,6 +571,13 @@ def main(argv=None):
                 raise ValueError(f"--{name}={v} is too small")
         if args.batch_size < 1:
             raise ValueError(f"--batch_size={args.batch_size} must be >= 1")
+        if args.slices < 1:
+            raise ValueError(f"--slices={args.slices} must be >= 1")
+        if args.data_root and not os.path.isdir(args.data_root):
+            raise FileNotFoundError(f"--data_root={args.data_root} not found: pass a folder laid out like "
+                                    "../shared/data/eval (wikitext-2-raw/, lambada/, hellaswag/)")
+        if args.harness and not args.probe:   # the task names, before the model loads
+            manager, tasks = harness_tasks(tasks, args.data_root)
         model, enc = load_model(args.out_dir, args.device, args.tokenizer)
         if args.block_size and args.block_size > model.cfg.block_size:
             raise ValueError(f"--block_size={args.block_size} exceeds the model's {model.cfg.block_size}")
@@ -546,7 +586,7 @@ def main(argv=None):
             args.probe_dir = args.probe_dir or os.path.join(base, "probe")
             return run_probe(args, model, enc)
         if args.harness:
-            results = run_harness(args, model, enc, tasks)
+            results = run_harness(args, model, enc, manager, tasks)
             tasks = []
         else:
             scorer = Scorer(model, args.block_size or default_block_size(model), args.batch_size, args.device)

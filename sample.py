@@ -5,6 +5,7 @@ Sample text from a train.py checkpoint.
   python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --temperature=0     # greedy
 """
 import argparse
+import re
 import sys
 from contextlib import nullcontext
 
@@ -12,6 +13,32 @@ import torch
 
 from model import GPT
 from prepare_data import checkpoint_tokenizer
+
+
+def check_args(args):
+    """A ValueError naming the option, its value and the fix for any value generate cannot take; the prompt text."""
+    for name, least in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0)):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name}={getattr(args, name)} must be >= {least}"
+                             + (" (0: sample among all tokens)" if name == "top_k" else ""))
+    if not args.temperature >= 0:   # also NaN
+        raise ValueError(f"--temperature={args.temperature} must be >= 0 (0: greedy)")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ValueError(f"--device={args.device!r} is not one of cpu, cuda, cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device={args.device} but CUDA is not available; use --device=cpu")
+    if not args.start.startswith("FILE:"):
+        return args.start
+    path = args.start[5:]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ValueError(f"--start=FILE:{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"--start=FILE:{path} is a folder, not a text file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--start=FILE:{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
 
 
 def main(argv=None):
@@ -26,21 +53,15 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1337, help="sampling seed")
     p.add_argument("--tokenizer", default=None, help="tiktoken name or tokenizer.json (default: the checkpoint's)")
     args = p.parse_args(argv)
-    if args.temperature < 0:
-        sys.exit(f"sample.py: error: --temperature={args.temperature} must be >= 0")
-
-    torch.manual_seed(args.seed)
     try:
+        start = check_args(args)   # every option, before the model loads
+        torch.manual_seed(args.seed)
         model = GPT.from_checkpoint(args.out_dir, device=args.device)
         enc, name = checkpoint_tokenizer(model.checkpoint_info, model.cfg.vocab_size, args.tokenizer)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"sample.py: error: {e}")
     model.eval()
     print(f"tokenizer: {name}", file=sys.stderr)
-    start = args.start
-    if start.startswith("FILE:"):
-        with open(start[5:], encoding="utf-8") as f:
-            start = f.read()
     ids = enc.encode(start, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"

@@ -4,6 +4,7 @@ Tests: python -m pytest -q test_mhar.py   (CPU; a few minutes on 2 cores; on a C
 One section per file under test, fixtures and helpers first. Uses ../shared/data (offline text and tiktoken cache)
 when it is there; otherwise a small corpus built from Python's own documentation, and tiktoken's normal download.
 """
+import errno
 import glob
 import importlib.util
 import json
@@ -44,6 +45,7 @@ import bench  # noqa: E402
 import convert  # noqa: E402
 import eval as evaluate  # noqa: E402
 import prepare_data  # noqa: E402
+import sample  # noqa: E402
 import routing_kernel as rk  # noqa: E402
 import train  # noqa: E402
 import checkpoint  # noqa: E402
@@ -1044,7 +1046,7 @@ def test_run_header_names_the_tree_without_git(monkeypatch):
     """A copy without .git (a GPU host's, say) names its tree by $MHAR_REVISION, set where git runs."""
     def no_git(*args, **kwargs):
         raise OSError("git: not found")
-    monkeypatch.setattr(train.subprocess, "run", no_git)
+    monkeypatch.setattr(checkpoint.subprocess, "run", no_git)
     monkeypatch.delenv("MHAR_REVISION", raising=False)
     assert train.git_revision() == "unknown"
     monkeypatch.setenv("MHAR_REVISION", "0aa8bf0")
@@ -1244,6 +1246,32 @@ def test_log_with_a_partial_last_line_resumes_and_plots(tmp_path, data_dir):
         checkpoint.read_log(log)
 
 
+def test_resume_checks_its_data(tmp_path, data_dir):
+    """A resume on other tokens of the same count is refused, naming what changed; the same data in a moved folder
+    resumes (other inputs named in its meta.json: one line); a checkpoint older than the data identity resumes with
+    one line saying the data went unchecked."""
+    out = str(tmp_path / "run")
+    assert run_train(out, data_dir, "--max_steps=2", "--eval_interval=2").returncode == 0
+    moved = tmp_path / "moved"
+    shutil.copytree(data_dir, moved)
+    meta = json.loads((moved / "meta.json").read_text())
+    (moved / "meta.json").write_text(json.dumps({**meta, "inputs": ["elsewhere/the_same_docs.jsonl"]}))
+    r = run_train(out, str(moved), "--max_steps=3", "--eval_interval=3", "--init_from=resume")
+    assert r.returncode == 0 and "names other inputs" in r.stdout and "with the same tokens: resuming" in r.stdout, r.stderr
+    swapped = tmp_path / "swapped"
+    shutil.copytree(data_dir, swapped)
+    tokens = np.fromfile(swapped / "train.bin", dtype=np.uint16)
+    tokens[::-1].tofile(swapped / "train.bin")   # another corpus of the same token count
+    r = run_train(out, str(swapped), "--max_steps=4", "--init_from=resume")
+    assert r.returncode != 0 and "data train.bin: the same size but other tokens" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    del ckpt["data"]["identity"]   # as a checkpoint written before the identity existed
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    r = run_train(out, data_dir, "--max_steps=4", "--eval_interval=4", "--init_from=resume")
+    assert r.returncode == 0 and "records no identity of its data" in r.stdout, r.stdout + r.stderr
+
+
 def test_one_run_per_out_dir(tmp_path, data_dir):
     """A second run into a live out_dir is refused (the first run's log and checkpoint untouched); after the first
     dies (kill -9 leaves its lock), the next run takes the stale lock over."""
@@ -1264,6 +1292,11 @@ def test_one_run_per_out_dir(tmp_path, data_dir):
     r = run_train(out, data_dir, "--max_steps=2", "--eval_interval=2", "--init_from=scratch")
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"taking over {lock} from pid {first.pid}" in r.stdout and not os.path.exists(lock)
+    with open(lock, "w") as f:   # a lock that cannot be read (cut short, or not a run's): taken over, saying so
+        f.write('{"pid": 12')
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    r = run_train(str(tmp_path / "o"), data_dir, "--max_steps=2", "--eval_interval=2", "--init_from=resume")
+    assert r.returncode == 0 and f"taking over {lock}, which cannot be read" in r.stdout, r.stdout + r.stderr
 
 
 def test_unreadable_checkpoint_falls_back_to_the_previous(tmp_path, data_dir):
@@ -1316,6 +1349,18 @@ def test_save_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert f"Intact: {path} (step 2), {tmp_path / 'ckpt.prev.pt'} (step 1)" in str(e.value)
     assert not os.path.exists(path + ".tmp")
     assert torch.load(path, weights_only=False)["step"] == 2
+    # a file-size limit (ulimit -f: EFBIG), a read-only folder (EROFS): each error says what happened, and the free
+    # space only where it is the cause
+    for code, cause, advice in ((errno.EFBIG, "outgrew this process's file-size limit", "Raise it (ulimit -f unlimited)"),
+                                (errno.EROFS, "is on a read-only file system", "Choose another --out_dir")):
+        def failing(obj, f, code=code):
+            real_save({"half": torch.zeros(1000)}, f)
+            raise OSError(code, os.strerror(code))
+        monkeypatch.setattr(torch, "save", failing)
+        with pytest.raises(checkpoint.CheckpointWriteError) as e:
+            checkpoint.save_checkpoint(path, model, opt, None, 3, {}, cfg, rt)
+        assert cause in str(e.value) and advice in str(e.value) and "GB free" not in str(e.value), str(e.value)
+        assert not os.path.exists(path + ".tmp") and torch.load(path, weights_only=False)["step"] == 2
 
 
 def test_sigterm_saves_and_the_resumed_run_matches(tmp_path, data_dir):
@@ -1747,6 +1792,34 @@ def test_convert_bad_inputs_write_nothing(tmp_path):
         assert not os.path.exists(out), "a failed conversion wrote something"
 
 
+def test_convert_names_a_truncated_or_corrupt_file(tmp_path):
+    """A shard cut short, a shard of garbage, a config.json that is not JSON: one line naming the file, nothing written."""
+    hf_dir = str(tmp_path / "hf")
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["qwen3"], shards=2)
+    shard = "model-00001-of-00002.safetensors"
+    cases = []
+    for name, edit, match in (
+            ("cut", lambda d: os.truncate(os.path.join(d, shard), os.path.getsize(os.path.join(d, shard)) // 2),
+             rf"{shard}.*(is not a readable safetensors file|cannot be read).*Download it again"),
+            ("garbage", lambda d: open(os.path.join(d, shard), "wb").write(b"\x00" * 100),
+             rf"{shard} is not a readable safetensors file"),
+            ("config", lambda d: open(os.path.join(d, "config.json"), "w").write('{"architectures": ['),
+             r"config.json is not JSON")):
+        d = str(tmp_path / name)
+        shutil.copytree(hf_dir, d)
+        edit(d)
+        cases.append((d, match))
+    cases.append((str(tmp_path / "nothing_here"), r"--hf_dir=.*nothing_here: no such folder"))
+    for d, match in cases:
+        out = os.path.join(d, "out")
+        with pytest.raises(SystemExit) as e:
+            convert.main([f"--hf_dir={d}", f"--out_dir={out}", "--num_blocks=2"])
+        assert re.search(match, str(e.value)), (match, e.value)
+        assert not os.path.exists(out)
+    with pytest.raises(SystemExit, match=r"--num_blocks=0 must be >= 1"):
+        convert.main([f"--hf_dir={hf_dir}", f"--out_dir={tmp_path / 'o'}", "--num_blocks=0"])
+
+
 def test_train_from_converted_checkpoint(tmp_path, corpus):
     hf_dir, conv = str(tmp_path / "hf"), str(tmp_path / "conv")
     write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
@@ -1979,6 +2052,40 @@ def test_eval_cli_json_and_errors(eval_ckpt, eval_root, tmp_path, capsys):
         assert msg in str(e.value), (bad, e.value)
 
 
+def test_sample_and_eval_refuse_bad_options_before_loading(tmp_path, eval_ckpt, monkeypatch):
+    """sample.py's counts, top_k, temperature, device and prompt file, and eval.py's harness task names, are refused in
+    one line before any model loads (the out_dir given has no checkpoint: a load would fail with another message); a
+    harness task that needs the Hub while it cannot be reached gets the local-files hint."""
+    nowhere = str(tmp_path / "no_run")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    for bad, msg in ((["--num_samples=0"], "--num_samples=0 must be >= 1"),
+                     (["--max_new_tokens=0"], "--max_new_tokens=0 must be >= 1"),
+                     (["--top_k=-5"], r"--top_k=-5 must be >= 0 \(0: sample among all tokens\)"),
+                     (["--temperature=-1"], "--temperature=-1.0 must be >= 0"),
+                     (["--temperature=nan"], "--temperature=nan must be >= 0"),
+                     (["--device=gpu"], "--device='gpu' is not one of cpu, cuda, cuda:N"),
+                     ([f"--start=FILE:{tmp_path / 'missing.txt'}"], "missing.txt: no such file"),
+                     ([f"--start=FILE:{tmp_path}"], "is a folder, not a text file"),
+                     ([f"--start=FILE:{tmp_path / 'latin1.txt'}"], r"latin1.txt is not UTF-8 text \(byte 3\)")):
+        with pytest.raises(SystemExit) as e:
+            sample.main([f"--out_dir={nowhere}", "--device=cpu", *bad])
+        assert str(e.value).startswith("sample.py: error: ") and re.search(msg, str(e.value)), (bad, e.value)
+    for bad, msg in ((["--slices=0"], "--slices=0 must be >= 1"), (["--data_root=/nonexistent"], "--data_root=/nonexistent not found")):
+        with pytest.raises(SystemExit, match=msg):
+            evaluate.main([f"--out_dir={nowhere}", *bad])
+    lm_eval = pytest.importorskip("lm_eval", reason="pip install lm-eval (requirements.txt)")
+    with pytest.raises(SystemExit) as e:
+        evaluate.main([f"--out_dir={nowhere}", "--harness", "--tasks=lambada_openai,hellaswagg"])
+    assert "unknown harness task(s) hellaswagg (hellaswagg: did you mean hellaswag" in str(e.value), e.value
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'allenai/ai2_arc' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main([f"--out_dir={eval_ckpt['mhar']}", "--harness", "--tasks=arc_easy", "--device=cpu"])
+    assert "harness task 'arc_easy' needs the Hugging Face Hub" in str(e.value) and "--data_root=DIR" in str(e.value)
+
+
 def test_harness_model_matches_direct_computation(eval_ckpt):
     """The lm-evaluation-harness model (eval.harness_lm): loglikelihood, rolling loglikelihood (disjoint windows of
     max_length predictions, the first after the end-of-text token) and greedy generate_until with a stop string
@@ -2076,6 +2183,9 @@ def test_bench_smoke(tmp_path):
     assert "| baseline | 1.00x" in r.stdout
     r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--scales=2b"], capture_output=True, text=True)
     assert r.returncode != 0 and "unknown scale/variant ['2b']" in r.stderr
+    for bad in (["--new=0"], ["--batch=1,x"], ["--prompt=-3"]):
+        with pytest.raises(SystemExit, match="must be positive integers"):
+            bench.generate_main(["--scale=tiny", "--device=cpu", *bad])
 
 
 def test_bench_scales_are_the_configs_shapes():

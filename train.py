@@ -26,7 +26,6 @@ import os
 import platform
 import re
 import signal
-import subprocess
 import sys
 import time
 import typing
@@ -37,8 +36,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, load_latest, lock_out_dir, previous_checkpoint,
-                        read_checkpoint, read_log, restore, save_checkpoint, trim_log)
+from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, data_changes, data_identity, git_revision,
+                        load_latest, lock_out_dir, previous_checkpoint, read_checkpoint, read_log, restore, save_checkpoint,
+                        trim_log)
 from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync_grads
 from model import GPT, GPTConfig
 from prepare_data import TokenData
@@ -180,16 +180,6 @@ def parse_args(argv):
     return cfg
 
 
-def git_revision():   # where the copy has no .git (a GPU host, say): $MHAR_REVISION, set where git runs
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ["MHAR_REVISION"] + " (MHAR_REVISION)" if os.environ.get("MHAR_REVISION") else "unknown"
-
-
 def fail(msg):
     sys.exit(f"train.py: error: {msg}")
 
@@ -297,6 +287,7 @@ class Data:
     seqs_per_step: int         # sequences per optimizer step (all processes)
     accum: int                 # micro-steps per step and process
     n_eval: int                # validation sequences (the same every eval)
+    identity: dict             # what a resume checks the data against (checkpoint.data_identity)
 
 
 def load_data(cfg, world):
@@ -327,7 +318,8 @@ def load_data(cfg, world):
     if n_eval == 0:
         fail(f"val.bin has {val_data.n_seq} sequences of {cfg.block_size} tokens, fewer than one eval batch "
              f"({per_micro}); lower micro_batch or block_size, or prepare more validation data")
-    return Data(meta, train_data, val_data, seqs_per_step, seqs_per_step // per_micro, n_eval)
+    return Data(meta, train_data, val_data, seqs_per_step, seqs_per_step // per_micro, n_eval,
+                data_identity(cfg.data_dir, meta))
 
 
 # ---- what the run starts from ----------------------------------------------------------------------------------------
@@ -337,10 +329,10 @@ def horizon(cfg):
     return cfg.lr_decay_steps if cfg.lr_decay_steps > 0 else cfg.max_steps
 
 
-def resolve_start(cfg, meta, master):
+def resolve_start(cfg, data, master):
     """(ckpt, init, model_cfg, model_source): the checkpoint to resume, or a convert.py checkpoint to start from, and
-    the model's config; refuses anything that would overwrite a checkpoint or resume a different run."""
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    the model's config; refuses anything that would overwrite a checkpoint or resume a different run (or data)."""
+    ckpt_path, meta = os.path.join(cfg.out_dir, "ckpt.pt"), data.meta
     if cfg.init_from == "resume":
         try:
             ckpt = load_latest(ckpt_path, master)
@@ -357,6 +349,8 @@ def resolve_start(cfg, meta, master):
                                    ("train_tokens", ckpt["meta"]["train_tokens"], meta["train_tokens"])):
             if old_v != new_v:
                 diff.append(f"data {name}: {old_v!r} -> {new_v!r}")
+        quiet = print if master else (lambda line: None)
+        diff += [f"data {c}" for c in data_changes(ckpt.get("data", {}).get("identity"), data.identity, cfg.data_dir, quiet)]
         if diff:
             fail("cannot resume, the config differs from the checkpoint's:\n  " + "\n  ".join(diff)
                  + "\nuse the checkpoint's values, or a new out_dir with --init_from=scratch")
@@ -714,7 +708,7 @@ def main(argv):
             lock_out_dir(cfg.out_dir)   # before anything in out_dir is read or moved
         except OutDirLocked as e:
             fail(e)
-    ckpt, init, model_cfg, model_source = resolve_start(cfg, data.meta, rt.master)
+    ckpt, init, model_cfg, model_source = resolve_start(cfg, data, rt.master)
     try:
         mcfg = GPTConfig.from_dict({**model_cfg, "routing_impl": cfg.routing_impl})
     except ValueError as e:
@@ -757,7 +751,7 @@ def main(argv):
             log.flush()   # checks the pending losses and gradient norms
             if step > log.start_step and cfg.save:   # before the eval: an eval crash loses nothing
                 log.check_weights(step, named)
-                extra["data"] = {"seqs_consumed": step * data.seqs_per_step, "seed": cfg.seed}
+                extra["data"] = {"seqs_consumed": step * data.seqs_per_step, "seed": cfg.seed, "identity": data.identity}
                 try:
                     save_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"), raw_model, optimizer, ema, step, extra, cfg, rt)
                 except CheckpointWriteError as e:
