@@ -20,7 +20,7 @@ import time
 import torch
 
 from model import GPT, GPTConfig
-from prepare_data import load_tokenizer, tokenizer_id
+from prepare_data import check_device, load_tokenizer, tokenizer_id
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 # Hugging Face tensor names -> model.py names ({i} = layer)
@@ -230,6 +230,7 @@ def main(argv=None):
                 raise ValueError(f"--{name}={getattr(args, name)} must be >= {least}")
         if not os.path.isdir(args.hf_dir):
             raise FileNotFoundError(f"--hf_dir={args.hf_dir}: no such folder")
+        check_device(args.device)
         out = os.path.join(args.out_dir, "ckpt.pt")
         if os.path.exists(out) and not args.force:
             raise FileExistsError(f"{out} exists: choose another --out_dir or pass --force")

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from checkpoint import read_log
 from model import GPT, route_reference
-from prepare_data import TokenData, checkpoint_tokenizer
+from prepare_data import TokenData, check_device, checkpoint_tokenizer
 
 TASKS = ("wikitext2", "lambada", "hellaswag")
 LOCAL = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "lambada": "lambada/lambada_test.jsonl",
@@ -558,6 +558,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         if args.plot:
+            missing = [p for p in args.plot if not os.path.isfile(p)]
+            if missing:
+                raise FileNotFoundError(f"--plot: {', '.join(missing)} not found (give log.jsonl files of train.py runs)")
             plot_logs(args.plot, args.output or "curves.png")
             return None
         default = ",".join(LOCAL_HARNESS if args.harness else TASKS)
@@ -573,6 +576,7 @@ def main(argv=None):
             raise ValueError(f"--batch_size={args.batch_size} must be >= 1")
         if args.slices < 1:
             raise ValueError(f"--slices={args.slices} must be >= 1")
+        check_device(args.device)
         if args.data_root and not os.path.isdir(args.data_root):
             raise FileNotFoundError(f"--data_root={args.data_root} not found: pass a folder laid out like "
                                     "../shared/data/eval (wikitext-2-raw/, lambada/, hellaswag/)")

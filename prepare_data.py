@@ -84,6 +84,16 @@ def load_tokenizer(name, base_dir=None):
 GPT2_VOCABS = (50257, 50304)   # GPT-2's vocabulary, and train.py's padding of it to a multiple of 128
 
 
+def check_device(device):
+    """The scripts' --device, checked before anything loads: a ValueError naming the value and the fix."""
+    import re
+    import torch
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device={device!r} is not one of cpu, cuda, cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device={device} but CUDA is not available; use --device=cpu")
+
+
 def checkpoint_tokenizer(info, vocab_size, override=None):
     """(encoder, name) for a checkpoint (model.checkpoint_info): `override` (--tokenizer) when given, else the
     tokenizer it records. One that records none is read as GPT-2 only when its vocabulary is GPT-2's; any other is

@@ -5,14 +5,13 @@ Sample text from a train.py checkpoint.
   python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --temperature=0     # greedy
 """
 import argparse
-import re
 import sys
 from contextlib import nullcontext
 
 import torch
 
 from model import GPT
-from prepare_data import checkpoint_tokenizer
+from prepare_data import check_device, checkpoint_tokenizer
 
 
 def check_args(args):
@@ -23,10 +22,7 @@ def check_args(args):
                              + (" (0: sample among all tokens)" if name == "top_k" else ""))
     if not args.temperature >= 0:   # also NaN
         raise ValueError(f"--temperature={args.temperature} must be >= 0 (0: greedy)")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        raise ValueError(f"--device={args.device!r} is not one of cpu, cuda, cuda:N")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device={args.device} but CUDA is not available; use --device=cpu")
+    check_device(args.device)
     if not args.start.startswith("FILE:"):
         return args.start
     path = args.start[5:]

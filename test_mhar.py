@@ -1818,6 +1818,9 @@ def test_convert_names_a_truncated_or_corrupt_file(tmp_path):
         assert not os.path.exists(out)
     with pytest.raises(SystemExit, match=r"--num_blocks=0 must be >= 1"):
         convert.main([f"--hf_dir={hf_dir}", f"--out_dir={tmp_path / 'o'}", "--num_blocks=0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"--device=cuda but CUDA is not available; use --device=cpu"):
+            convert.main([f"--hf_dir={hf_dir}", f"--out_dir={tmp_path / 'o'}", "--num_blocks=2", "--device=cuda"])
 
 
 def test_train_from_converted_checkpoint(tmp_path, corpus):
@@ -2070,7 +2073,9 @@ def test_sample_and_eval_refuse_bad_options_before_loading(tmp_path, eval_ckpt, 
         with pytest.raises(SystemExit) as e:
             sample.main([f"--out_dir={nowhere}", "--device=cpu", *bad])
         assert str(e.value).startswith("sample.py: error: ") and re.search(msg, str(e.value)), (bad, e.value)
-    for bad, msg in ((["--slices=0"], "--slices=0 must be >= 1"), (["--data_root=/nonexistent"], "--data_root=/nonexistent not found")):
+    for bad, msg in ((["--slices=0"], "--slices=0 must be >= 1"), (["--data_root=/nonexistent"], "--data_root=/nonexistent not found"),
+                     (["--device=gpu"], "--device='gpu' is not one of cpu, cuda, cuda:N"),
+                     ([f"--plot={tmp_path / 'no.jsonl'}"], "--plot: .*no.jsonl not found")):
         with pytest.raises(SystemExit, match=msg):
             evaluate.main([f"--out_dir={nowhere}", *bad])
     lm_eval = pytest.importorskip("lm_eval", reason="pip install lm-eval (requirements.txt)")
