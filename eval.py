@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from checkpoint import read_log
 from model import GPT, route_reference
-from prepare_data import TokenData, check_device, checkpoint_tokenizer
+from prepare_data import TokenData, check_device, checkpoint_tokenizer, load_tokenizer
 
 TASKS = ("wikitext2", "lambada", "hellaswag")
 LOCAL = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "lambada": "lambada/lambada_test.jsonl",
@@ -577,6 +577,13 @@ def main(argv=None):
         if args.slices < 1:
             raise ValueError(f"--slices={args.slices} must be >= 1")
         check_device(args.device)
+        if args.tokenizer:   # (the checkpoint's own is checked against its vocabulary once it loads)
+            load_tokenizer(args.tokenizer)
+        if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+            raise FileNotFoundError(f"--output={args.output}: its folder does not exist")
+        if args.probe and args.data_dir and not os.path.isfile(os.path.join(args.data_dir, "meta.json")):
+            raise FileNotFoundError(f"--data_dir={args.data_dir} holds no meta.json: a prepare_data.py folder, whose "
+                                    "val.bin the probe reads")
         if args.data_root and not os.path.isdir(args.data_root):
             raise FileNotFoundError(f"--data_root={args.data_root} not found: pass a folder laid out like "
                                     "../shared/data/eval (wikitext-2-raw/, lambada/, hellaswag/)")

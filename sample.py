@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 
 from model import GPT
-from prepare_data import check_device, checkpoint_tokenizer
+from prepare_data import check_device, checkpoint_tokenizer, load_tokenizer
 
 
 def check_args(args):
@@ -23,6 +23,8 @@ def check_args(args):
     if not args.temperature >= 0:   # also NaN
         raise ValueError(f"--temperature={args.temperature} must be >= 0 (0: greedy)")
     check_device(args.device)
+    if args.tokenizer:   # (the checkpoint's own is checked against its vocabulary once it loads)
+        load_tokenizer(args.tokenizer)
     if not args.start.startswith("FILE:"):
         return args.start
     path = args.start[5:]

@@ -2069,13 +2069,17 @@ def test_sample_and_eval_refuse_bad_options_before_loading(tmp_path, eval_ckpt, 
                      (["--device=gpu"], "--device='gpu' is not one of cpu, cuda, cuda:N"),
                      ([f"--start=FILE:{tmp_path / 'missing.txt'}"], "missing.txt: no such file"),
                      ([f"--start=FILE:{tmp_path}"], "is a folder, not a text file"),
-                     ([f"--start=FILE:{tmp_path / 'latin1.txt'}"], r"latin1.txt is not UTF-8 text \(byte 3\)")):
+                     ([f"--start=FILE:{tmp_path / 'latin1.txt'}"], r"latin1.txt is not UTF-8 text \(byte 3\)"),
+                     (["--tokenizer=gpt3"], r"tokenizer='gpt3' is not one of")):
         with pytest.raises(SystemExit) as e:
             sample.main([f"--out_dir={nowhere}", "--device=cpu", *bad])
         assert str(e.value).startswith("sample.py: error: ") and re.search(msg, str(e.value)), (bad, e.value)
     for bad, msg in ((["--slices=0"], "--slices=0 must be >= 1"), (["--data_root=/nonexistent"], "--data_root=/nonexistent not found"),
                      (["--device=gpu"], "--device='gpu' is not one of cpu, cuda, cuda:N"),
-                     ([f"--plot={tmp_path / 'no.jsonl'}"], "--plot: .*no.jsonl not found")):
+                     ([f"--plot={tmp_path / 'no.jsonl'}"], "--plot: .*no.jsonl not found"),
+                     ([f"--output={tmp_path / 'no_dir' / 'r.json'}"], "its folder does not exist"),
+                     (["--probe", f"--data_dir={tmp_path}"], "holds no meta.json"),
+                     (["--tokenizer=missing.json"], "tokenizer file missing.json not found")):
         with pytest.raises(SystemExit, match=msg):
             evaluate.main([f"--out_dir={nowhere}", *bad])
     lm_eval = pytest.importorskip("lm_eval", reason="pip install lm-eval (requirements.txt)")
