@@ -1878,7 +1878,7 @@ def test_checkpoint_without_tokenizer_is_refused(tmp_path):
     r = subprocess.run(sample, capture_output=True, text=True)
     assert r.returncode != 0 and "records no tokenizer and its vocabulary (259) is not GPT-2's" in r.stderr, r.stderr
     with pytest.raises(SystemExit, match=r"pass --tokenizer="):
-        evaluate.main([f"--out_dir={conv}", "--device=cpu", "--tasks=lambada", "--data_root=/nonexistent"])
+        evaluate.main([f"--out_dir={conv}", "--device=cpu", "--tasks=lambada", f"--data_root={tmp_path}"])   # (refused first)
     r = subprocess.run(sample + [f"--tokenizer={tok}", "--start=a"], capture_output=True, text=True)
     assert r.returncode == 0 and f"tokenizer: {tok}" in r.stderr, r.stderr
     with pytest.raises(ValueError, match=r"has 100277 tokens, more than the model's vocabulary \(259\)"):
