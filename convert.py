@@ -107,54 +107,30 @@ def shard_files(hf_dir):
     return files
 
 
-class open_shard:
-    """safetensors' safe_open of one shard, whose errors (a truncated, corrupt or foreign file) name the file."""
-
-    def __init__(self, path):
-        from safetensors import safe_open
-        self.path = path
-        try:
-            self.file = safe_open(path, framework="pt").__enter__()
-        except Exception as e:
-            raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {str(e).splitlines()[0]}): "
-                             "truncated or corrupt? Download it again") from None
-
-    def __enter__(self):
-        return self
-
-    def keys(self):
-        return self.file.keys()
-
-    def get_tensor(self, name):
-        try:
-            return self.file.get_tensor(name)
-        except Exception as e:
-            raise ValueError(f"{self.path}: tensor {name} cannot be read ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0]}): truncated or corrupt? Download it again") from None
-
-    def __exit__(self, *exc):
-        return self.file.__exit__(*exc)
-
-
 def load_weights(hf_dir, cfg, dtype):
     """model.py state dict (without routing parameters) from the safetensors shards, one tensor at a time."""
+    from safetensors import SafetensorError, safe_open
     expected = _shapes(cfg)
     state = {}
     for fname in sorted(shard_files(hf_dir)):
-        with open_shard(os.path.join(hf_dir, fname)) as f:
-            for name in f.keys():
-                ours = _our_name(name)
-                if ours is None:
-                    if name.endswith(IGNORED) or (name == "lm_head.weight" and cfg.tie_embeddings):
-                        continue
-                    raise ValueError(f"{fname}: unexpected tensor {name!r} (not a Llama/Qwen3 weight this converter maps)")
-                if ours not in expected:
-                    raise ValueError(f"{fname}: tensor {name!r} does not fit the config (no {ours} in the model; "
-                                     "qk-norm weights in a Llama checkpoint, or a layer beyond num_hidden_layers?)")
-                t = f.get_tensor(name)   # (a file cut short fails here or in open_shard, naming the file)
-                if tuple(t.shape) != expected[ours]:
-                    raise ValueError(f"{fname}: {name} has shape {tuple(t.shape)}, the config implies {expected[ours]}")
-                state[ours] = t.to(dtype)
+        try:
+            with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
+                for name in f.keys():
+                    ours = _our_name(name)
+                    if ours is None:
+                        if name.endswith(IGNORED) or (name == "lm_head.weight" and cfg.tie_embeddings):
+                            continue
+                        raise ValueError(f"{fname}: unexpected tensor {name!r} (not a Llama/Qwen3 weight this converter maps)")
+                    if ours not in expected:
+                        raise ValueError(f"{fname}: tensor {name!r} does not fit the config (no {ours} in the model; "
+                                         "qk-norm weights in a Llama checkpoint, or a layer beyond num_hidden_layers?)")
+                    t = f.get_tensor(name)
+                    if tuple(t.shape) != expected[ours]:
+                        raise ValueError(f"{fname}: {name} has shape {tuple(t.shape)}, the config implies {expected[ours]}")
+                    state[ours] = t.to(dtype)
+        except SafetensorError as e:   # a file cut short, corrupt or not safetensors at all: name it
+            raise ValueError(f"{os.path.join(hf_dir, fname)} is not a readable safetensors file "
+                             f"({str(e).splitlines()[0]}): truncated or corrupt? Download it again") from None
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"{len(missing)} weight(s) not found in the checkpoint, e.g. {', '.join(missing[:4])}")

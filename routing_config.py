@@ -72,19 +72,15 @@ def _block_m(tile, width, config):
     return min(config.max_block_m, 1 << max(0, (tile // width).bit_length() - 1))
 
 
-def _pow2(n):
-    """The smallest power of two >= n (triton.next_power_of_2, without importing Triton)."""
-    return 1 << (n - 1).bit_length()
-
-
 def _split(D, split=True):
     """(D_A, BLOCK_B, lanes) of a head of width D held as two power-of-two column parts, a = [0, D_A) and b = [D_A, D_A +
     BLOCK_B) masked to D: split, 160 = 128 + 32, where one tile would pad to 256 (37.5% of the registers idle); else
-    D_A = D padded to 2^k, BLOCK_B = 0."""
+    D_A = D padded to 2^k, BLOCK_B = 0 (the kernels' launch geometry: only called where Triton is)."""
+    from triton import next_power_of_2
     p = 1 << (D.bit_length() - 1)
     if p == D or not split:
-        return _pow2(D), 0, _pow2(D)
-    b = _pow2(D - p)
+        return next_power_of_2(D), 0, next_power_of_2(D)
+    b = next_power_of_2(D - p)
     return p, b, p + b
 
 

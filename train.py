@@ -345,12 +345,14 @@ def resolve_start(cfg, data, master):
         if old_horizon != horizon(cfg):
             diff.append(f"decay horizon (lr_decay_steps, -1 = max_steps): {old_horizon} -> {horizon(cfg)}; "
                         f"pass --lr_decay_steps={old_horizon} to keep the old schedule")
-        for name, old_v, new_v in (("tokenizer", ckpt["meta"].get("tokenizer_id"), meta["tokenizer_id"]),
-                                   ("train_tokens", ckpt["meta"]["train_tokens"], meta["train_tokens"])):
+        identity = ckpt.get("data", {}).get("identity")
+        for name, old_v, new_v in (() if identity else (   # a checkpoint without an identity: tokenizer and count only
+                ("tokenizer", ckpt["meta"].get("tokenizer_id"), meta["tokenizer_id"]),
+                ("train_tokens", ckpt["meta"]["train_tokens"], meta["train_tokens"]))):
             if old_v != new_v:
                 diff.append(f"data {name}: {old_v!r} -> {new_v!r}")
         quiet = print if master else (lambda line: None)
-        diff += [f"data {c}" for c in data_changes(ckpt.get("data", {}).get("identity"), data.identity, cfg.data_dir, quiet)]
+        diff += [f"data {c}" for c in data_changes(identity, data.identity, cfg.data_dir, quiet)]
         if diff:
             fail("cannot resume, the config differs from the checkpoint's:\n  " + "\n  ".join(diff)
                  + "\nuse the checkpoint's values, or a new out_dir with --init_from=scratch")
