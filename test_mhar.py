@@ -20,6 +20,12 @@ import sys
 import tempfile
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
+
+# PyTorch's CPU allocator on transparent huge pages: the suite's small CPU trainings allocate a (tokens x 50,304)
+# logit tensor at every micro-step, and on 4 KB pages the kernel faults and zeroes it page by page (a tiny run's step
+# 1.7x faster with it on 2 cores). Set before torch is imported; train.py and the other launches inherit it.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import numpy as np
 import pytest
@@ -126,6 +132,17 @@ def run_train(out_dir, data_dir, *extra, nproc=1, wait=True):
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def together(*launches, cores_each=2):
+    """Independent launches side by side, as many at once as the machine's cores hold (each launch a function of no
+    arguments: lambda: run_train(...)); their results in order. cores_each: the cores one keeps busy, 2 for a training
+    run (OMP_NUM_THREADS=2), 1 for one that stops before training. A launch spends ~4 s importing torch and
+    torch._dynamo on one core before its first step: side by side, those seconds overlap (on 2 cores two training
+    runs at once are slower than one after the other, so there they take turns)."""
+    workers = max(1, min(len(launches), (os.cpu_count() or 1) // cores_each))
+    with ThreadPoolExecutor(workers) as pool:
+        return [f.result() for f in [pool.submit(launch) for launch in launches]]
 
 
 def read_log(out_dir):
@@ -1034,12 +1051,14 @@ def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
         (broken("meta", lambda d: (d / "meta.json").write_text("{")), r"meta.json is not prepare_data.py's JSON"),
         (broken("noval", lambda d: os.remove(d / "val.bin")), r"val.bin not found: prepare the data folder"),
     ]
-    for d, msg in cases:
-        r = run_train(str(tmp_path / "out"), d, "--max_steps=1")
+    outs = [str(tmp_path / f"out{i}") for i in range(len(cases) + 1)]   # one out_dir each: they run side by side
+    *results, small = together(*[lambda o=o, d=d: run_train(o, d, "--max_steps=1") for o, (d, _) in zip(outs, cases)],
+                               lambda: run_train(outs[-1], data_dir, "--max_steps=1", "--eval_tokens=100"),
+                               cores_each=1)
+    for (d, msg), r in zip(cases, results):
         assert r.returncode != 0 and re.search(msg, r.stderr) and "Traceback" not in r.stderr, r.stderr
-    r = run_train(str(tmp_path / "out"), data_dir, "--max_steps=1", "--eval_tokens=100")
-    assert r.returncode != 0 and "eval_tokens=100 is less than one eval batch" in r.stderr
-    assert not os.path.exists(tmp_path / "out" / "train.lock")
+    assert small.returncode != 0 and "eval_tokens=100 is less than one eval batch" in small.stderr
+    assert not any(os.path.exists(os.path.join(o, "train.lock")) for o in outs)
 
 
 def test_run_header_names_the_tree_without_git(monkeypatch):
@@ -1062,8 +1081,11 @@ def test_train_options_parse():
 
 
 def test_training_loss_falls_and_sample(tmp_path, data_dir):
-    out = str(tmp_path / "o")
-    r = run_train(out, data_dir, "--max_steps=40", "--eval_interval=20")
+    out, ckpt_out = str(tmp_path / "o"), str(tmp_path / "ac")
+    r, typo, ac = together(
+        lambda: run_train(out, data_dir, "--max_steps=40", "--eval_interval=20"),
+        lambda: run_train(str(tmp_path / "typo"), data_dir, "--max_steps=2", "--init_from=resumee"),
+        lambda: run_train(ckpt_out, data_dir, "--max_steps=5", "--eval_interval=5", "--activation_checkpointing=True"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"step 40/40 \| loss \d+\.\d+ \| lr [\d.e+-]+ \| \d+ ms \| [\d,]+ tok/s \| mfu n/a \| eta", r.stdout)
     steps, evals = read_log(out)
@@ -1075,34 +1097,49 @@ def test_training_loss_falls_and_sample(tmp_path, data_dir):
     assert ckpt["step"] == 40 and not any(k.startswith(("_orig_mod", "module.")) for k in ckpt["model"])
     model = GPT.from_checkpoint(out)
     assert model.cfg.residual == "mhar" and model.checkpoint_info["tokenizer"] == "gpt2"
-    s = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu",
-                        "--max_new_tokens=8", "--start=The"], capture_output=True, text=True)
+    s, r = together(   # sample.py reads the checkpoint; starting over in the same out_dir would overwrite it: refused
+        lambda: subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu",
+                                "--max_new_tokens=8", "--start=The"], capture_output=True, text=True),
+        lambda: run_train(out, data_dir, "--max_steps=2"), cores_each=1)
     assert s.returncode == 0 and s.stdout.startswith("The"), s.stderr
-    # starting over in the same out_dir would overwrite the checkpoint: refused
-    r = run_train(out, data_dir, "--max_steps=2")
     assert r.returncode != 0 and "--init_from=resume" in r.stderr
-    r = run_train(str(tmp_path / "typo"), data_dir, "--max_steps=2", "--init_from=resumee")
-    assert r.returncode != 0 and "init_from='resumee' is not scratch, resume, or the out_dir of convert.py" in r.stderr
+    assert typo.returncode != 0
+    assert "init_from='resumee' is not scratch, resume, or the out_dir of convert.py" in typo.stderr
     # activation checkpointing recomputes sublayers: the same losses
-    ckpt_out = str(tmp_path / "ac")
-    r = run_train(ckpt_out, data_dir, "--max_steps=5", "--eval_interval=5", "--activation_checkpointing=True")
-    assert r.returncode == 0, r.stderr
+    assert ac.returncode == 0, ac.stderr
     assert all(abs(read_log(ckpt_out)[0][s]["loss"] - steps[s]["loss"]) < 1e-5 for s in range(1, 6))
 
 
-def test_kill_and_resume_is_bitwise(tmp_path, data_dir):
-    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    r = run_train(full, data_dir, "--max_steps=30", "--eval_interval=10")
-    assert r.returncode == 0, r.stderr
-    proc = run_train(killed, data_dir, "--max_steps=30", "--eval_interval=10", wait=False)
-    log = os.path.join(killed, "log.jsonl")
+def kill_when_logged(proc, log, step, sig):
+    """Send sig to a run once its log.jsonl holds a whole record at step or later; its output."""
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:   # kill mid-run, after the step-10 checkpoint
-        if os.path.exists(log) and any(json.loads(l).get("step", 0) >= 13 for l in open(log)):
-            proc.send_signal(signal.SIGKILL)
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(log) and any(json.loads(l).get("step", 0) >= step for l in open(log) if l.endswith("\n")):
+            proc.send_signal(sig)
             break
         time.sleep(0.02)
-    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    return proc.communicate()[0]
+
+
+def test_kill_and_resume_is_bitwise(tmp_path, data_dir):
+    full, killed, short = str(tmp_path / "full"), str(tmp_path / "killed"), str(tmp_path / "short")
+    short_args = ["--max_steps=5", "--eval_interval=3", "--init_from=resume"]
+
+    def kill_mid_run():   # after the step-10 checkpoint
+        proc = run_train(killed, data_dir, "--max_steps=30", "--eval_interval=10", wait=False)
+        kill_when_logged(proc, os.path.join(killed, "log.jsonl"), 13, signal.SIGKILL)
+        return proc.returncode
+
+    # a schedule whose horizon follows max_steps: extending the run changes it unless the horizon is pinned
+    def extend_short():
+        assert run_train(short, data_dir, "--max_steps=3", "--eval_interval=3", "--lr_decay_steps=-1").returncode == 0
+        return (run_train(short, data_dir, *short_args, "--lr_decay_steps=-1"),
+                run_train(short, data_dir, *short_args, "--lr_decay_steps=3"))
+
+    r, code, (refused, pinned) = together(
+        lambda: run_train(full, data_dir, "--max_steps=30", "--eval_interval=10"), kill_mid_run, extend_short)
+    assert r.returncode == 0, r.stderr
+    assert code == -signal.SIGKILL, "the run finished before it could be killed"
     assert torch.load(os.path.join(killed, "ckpt.pt"), weights_only=False)["step"] in (10, 20)
     r = run_train(killed, data_dir, "--max_steps=30", "--eval_interval=10", "--init_from=resume")
     assert r.returncode == 0, r.stderr
@@ -1113,24 +1150,17 @@ def test_kill_and_resume_is_bitwise(tmp_path, data_dir):
     # an incompatible config is refused, naming the keys
     r = run_train(killed, data_dir, "--max_steps=40", "--init_from=resume", "--residual=attnres", "--lr=1e-3")
     assert r.returncode != 0 and "residual: 'mhar' -> 'attnres'" in r.stderr and "lr: 0.003 -> 0.001" in r.stderr
-    # a schedule whose horizon follows max_steps: extending the run changes it unless the horizon is pinned
-    short = str(tmp_path / "short")
-    assert run_train(short, data_dir, "--max_steps=3", "--eval_interval=3", "--lr_decay_steps=-1").returncode == 0
-    r = run_train(short, data_dir, "--max_steps=5", "--eval_interval=3", "--lr_decay_steps=-1", "--init_from=resume")
-    assert r.returncode != 0 and "decay horizon" in r.stderr and "--lr_decay_steps=3" in r.stderr
-    r = run_train(short, data_dir, "--max_steps=5", "--eval_interval=3", "--lr_decay_steps=3", "--init_from=resume")
-    assert r.returncode == 0, r.stderr
+    assert refused.returncode != 0 and "decay horizon" in refused.stderr and "--lr_decay_steps=3" in refused.stderr
+    assert pinned.returncode == 0, pinned.stderr
 
 
 def test_fused_training_curve_matches_reference(tmp_path, data_dir):
-    runs = {}
-    for impl in ("reference", "fused"):
-        out = str(tmp_path / impl)
-        r = run_train(out, data_dir, "--max_steps=30", "--eval_interval=30", f"--routing_impl={impl}", "--route_heads=2",
-                      "--batch_tokens=256")   # one micro-step per step: the CPU interpreter is slow
+    def run(impl):
+        return run_train(str(tmp_path / impl), data_dir, "--max_steps=30", "--eval_interval=30", f"--routing_impl={impl}",
+                         "--route_heads=2", "--batch_tokens=256")   # one micro-step per step: the CPU interpreter is slow
+    for r in together(lambda: run("reference"), lambda: run("fused")):
         assert r.returncode == 0, r.stdout + r.stderr
-        runs[impl] = read_log(out)
-    a, b = runs["reference"], runs["fused"]
+    a, b = read_log(str(tmp_path / "reference")), read_log(str(tmp_path / "fused"))
     diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
     assert len(a[0]) == 30 and diff < 1e-4, diff
 
@@ -1190,8 +1220,8 @@ def test_nonfinite_weights_are_never_saved(tmp_path, data_dir, extra):
 
 def test_ddp_two_processes_match_one(tmp_path, data_dir):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    r1 = run_train(one, data_dir, "--max_steps=12", "--eval_interval=6")
-    r2 = run_train(two, data_dir, "--max_steps=12", "--eval_interval=6", "--grad_sync=overlap", nproc=2)
+    r1, r2 = together(lambda: run_train(one, data_dir, "--max_steps=12", "--eval_interval=6"),
+                      lambda: run_train(two, data_dir, "--max_steps=12", "--eval_interval=6", "--grad_sync=overlap", nproc=2))
     assert r1.returncode == 0 and r2.returncode == 0, r2.stdout + r2.stderr
     assert "2 processes x 1 micro-steps" in r2.stdout and "1 processes x 2 micro-steps" in r1.stdout
     assert "gradients: one process, nothing to average" in r1.stdout
@@ -1205,8 +1235,8 @@ def test_ddp_two_processes_match_one(tmp_path, data_dir):
 def test_fsdp_two_processes_match_one(tmp_path, data_dir):
     """FSDP2 (gloo, 2 CPU processes) follows the single-process curve of the same bf16-compute model."""
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    r1 = run_train(one, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=1)
-    r2 = run_train(two, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=2)
+    r1, r2 = together(lambda: run_train(one, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=1),
+                      lambda: run_train(two, data_dir, "--max_steps=6", "--eval_interval=3", "--fsdp=True", nproc=2))
     assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stdout + r2.stderr
     assert "FSDP2 mixed precision" in r2.stdout
     a, b = read_log(one), read_log(two)
@@ -1304,8 +1334,9 @@ def test_unreadable_checkpoint_falls_back_to_the_previous(tmp_path, data_dir):
     line and moves the broken file aside; eval.py / sample.py name the file and the fix; a step-6 checkpoint of a
     longer run resumed from step 3 gives the same losses."""
     full, out = str(tmp_path / "full"), str(tmp_path / "o")
-    assert run_train(full, data_dir, "--max_steps=9", "--eval_interval=3").returncode == 0
-    assert run_train(out, data_dir, "--max_steps=6", "--eval_interval=3", "--lr_decay_steps=60").returncode == 0
+    assert all(r.returncode == 0 for r in together(
+        lambda: run_train(full, data_dir, "--max_steps=9", "--eval_interval=3"),
+        lambda: run_train(out, data_dir, "--max_steps=6", "--eval_interval=3", "--lr_decay_steps=60")))
     ckpt, prev = os.path.join(out, "ckpt.pt"), os.path.join(out, "ckpt.prev.pt")
     assert torch.load(ckpt, weights_only=False)["step"] == 6 and torch.load(prev, weights_only=False)["step"] == 3
     with open(ckpt, "r+b") as f:
@@ -1367,16 +1398,13 @@ def test_sigterm_saves_and_the_resumed_run_matches(tmp_path, data_dir):
     """SIGTERM (a cluster's preemption) mid-run: the current step finishes, a checkpoint is saved, exit 143; resuming
     from it gives the uninterrupted run's losses and evals exactly."""
     full, stopped = str(tmp_path / "full"), str(tmp_path / "stopped")
-    assert run_train(full, data_dir, "--max_steps=24", "--eval_interval=12").returncode == 0
-    proc = run_train(stopped, data_dir, "--max_steps=24", "--eval_interval=12", wait=False)
-    log = os.path.join(stopped, "log.jsonl")
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(log) and any(json.loads(l).get("step", 0) >= 14 for l in open(log) if l.endswith("\n")):
-            proc.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.02)
-    out = proc.communicate()[0]
+
+    def stop_mid_run():
+        proc = run_train(stopped, data_dir, "--max_steps=24", "--eval_interval=12", wait=False)
+        return proc, kill_when_logged(proc, os.path.join(stopped, "log.jsonl"), 14, signal.SIGTERM)
+
+    r, (proc, out) = together(lambda: run_train(full, data_dir, "--max_steps=24", "--eval_interval=12"), stop_mid_run)
+    assert r.returncode == 0, r.stdout + r.stderr
     assert proc.returncode == 143, out
     at = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
     assert 14 <= at < 24 and torch.load(os.path.join(stopped, "ckpt.pt"), weights_only=False)["step"] == at
@@ -1784,12 +1812,13 @@ def test_convert_bad_inputs_write_nothing(tmp_path):
     shutil.copytree(hf_dir, missing)
     os.remove(os.path.join(missing, "model-00002-of-00002.safetensors"))
     cases.append((missing, r"missing from .*model-00002-of-00002.safetensors"))
-    for d, match in cases:
-        out = os.path.join(d, "out")
-        r = subprocess.run([sys.executable, os.path.join(HERE, "convert.py"), f"--hf_dir={d}", f"--out_dir={out}",
-                            "--num_blocks=2"], capture_output=True, text=True)
+    def convert_into(d):
+        return subprocess.run([sys.executable, os.path.join(HERE, "convert.py"), f"--hf_dir={d}",
+                               f"--out_dir={os.path.join(d, 'out')}", "--num_blocks=2"], capture_output=True, text=True)
+    results = together(*[lambda d=d: convert_into(d) for d, _ in cases], cores_each=1)
+    for (d, match), r in zip(cases, results):
         assert r.returncode != 0 and re.search(match, r.stderr), (match, r.stderr)
-        assert not os.path.exists(out), "a failed conversion wrote something"
+        assert not os.path.exists(os.path.join(d, "out")), "a failed conversion wrote something"
 
 
 def test_convert_names_a_truncated_or_corrupt_file(tmp_path):
@@ -1836,7 +1865,20 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
             "--z_loss=1e-4", "--ema_decay=0.9", "--routing_lr_scale=10", "--eval_tokens=2048", "--device=cpu",
             "--compile=False"]
     cmd = [sys.executable, os.path.join(HERE, "train.py"), f"--data_dir={data}", f"--out_dir={out}", f"--init_from={conv}", *args]
-    r = subprocess.run(cmd + ["--max_steps=4", "--eval_interval=2"], capture_output=True, text=True)
+    gpt2_data = corpus_gpt2(tmp_path, corpus)
+
+    def run(*argv):
+        return subprocess.run(list(argv), capture_output=True, text=True)
+    r, bf16, gpt2, arch = together(   # the runs from the converted model, side by side
+        lambda: run(*cmd, "--max_steps=4", "--eval_interval=2"),
+        # the single-GPU 8B setting of BENCHMARKS.md: bf16 weights and AdamW states, no checkpoint written
+        lambda: run(*cmd[:3], f"--out_dir={out}_bf16", f"--init_from={conv}", *args, "--max_steps=2",
+                    "--param_dtype=bfloat16", "--ema_decay=0", "--save=False"),
+        # a gpt2-tokenized data folder is refused
+        lambda: run(sys.executable, os.path.join(HERE, "train.py"), f"--data_dir={gpt2_data}", f"--out_dir={out}2",
+                    f"--init_from={conv}", *args, "--max_steps=1"),
+        # architecture options a converted model would ignore are refused (here when starting; below when resuming)
+        lambda: run(*cmd[:3], f"--out_dir={out}_arch", f"--init_from={conv}", *args, "--max_steps=8", "--n_layer=5"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "residual=delta" in r.stdout and "from " + os.path.join(conv, "ckpt.pt") in r.stdout
     assert '"n_layer"' not in r.stdout.split("config: ")[1].split("\n")[0]   # the ignored defaults are not shown
@@ -1848,22 +1890,15 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
     groups = ckpt["optimizer"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.05, 0.0, 0.0] and groups[2]["lr_scale"] == 10
     assert abs(groups[2]["lr"] - 10 * groups[0]["lr"]) < 1e-12
-    # the single-GPU 8B setting of BENCHMARKS.md: bf16 weights and AdamW states, no checkpoint written
-    r = subprocess.run(cmd[:3] + [f"--out_dir={out}_bf16", f"--init_from={conv}", *args, "--max_steps=2",
-                                  "--param_dtype=bfloat16", "--ema_decay=0", "--save=False"], capture_output=True, text=True)
+    assert bf16.returncode == 0, bf16.stdout + bf16.stderr
+    assert "compute bfloat16 (the weights' dtype" in bf16.stdout
+    assert not os.path.exists(os.path.join(f"{out}_bf16", "ckpt.pt")) and sorted(read_log(f"{out}_bf16")[0]) == [1, 2]
+    assert gpt2.returncode != 0 and "tokenized with 'gpt2'" in gpt2.stderr
+    # resume continues it
+    r = run(*cmd[:4], "--init_from=resume", *args, "--max_steps=6", "--eval_interval=2")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "compute bfloat16 (the weights' dtype" in r.stdout and not os.path.exists(os.path.join(f"{out}_bf16", "ckpt.pt"))
-    assert sorted(read_log(f"{out}_bf16")[0]) == [1, 2]
-    # resume continues it; a gpt2-tokenized data folder is refused
-    r = subprocess.run(cmd[:4] + ["--init_from=resume", *args, "--max_steps=6", "--eval_interval=2"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--data_dir={corpus_gpt2(tmp_path, corpus)}",
-                        f"--out_dir={out}2", f"--init_from={conv}", *args, "--max_steps=1"], capture_output=True, text=True)
-    assert r.returncode != 0 and "tokenized with 'gpt2'" in r.stderr
-    # architecture options a converted model would ignore are refused, when starting and when resuming
-    for where, start in ((f"{out}_arch", f"--init_from={conv}"), (out, "--init_from=resume")):
-        r = subprocess.run(cmd[:3] + [f"--out_dir={where}", start, *args, "--max_steps=8", "--n_layer=5"],
-                           capture_output=True, text=True)
+    resumed = run(*cmd[:3], f"--out_dir={out}", "--init_from=resume", *args, "--max_steps=8", "--n_layer=5")
+    for r in (arch, resumed):
         assert r.returncode != 0 and "would be ignored: --n_layer=5 (checkpoint: 4)" in r.stderr, r.stderr
 
 
@@ -1875,12 +1910,13 @@ def test_checkpoint_without_tokenizer_is_refused(tmp_path):
     tok = write_tiny_tokenizer(str(tmp_path / "tokenizer.json"))   # beside the model folder, not in it
     convert.main([f"--hf_dir={hf_dir}", f"--out_dir={conv}", "--num_blocks=2", "--check_batches=1"])
     sample = [sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={conv}", "--device=cpu", "--max_new_tokens=3"]
-    r = subprocess.run(sample, capture_output=True, text=True)
+    r, named = together(lambda: subprocess.run(sample, capture_output=True, text=True),
+                        lambda: subprocess.run(sample + [f"--tokenizer={tok}", "--start=a"], capture_output=True, text=True),
+                        cores_each=1)
     assert r.returncode != 0 and "records no tokenizer and its vocabulary (259) is not GPT-2's" in r.stderr, r.stderr
     with pytest.raises(SystemExit, match=r"pass --tokenizer="):
         evaluate.main([f"--out_dir={conv}", "--device=cpu", "--tasks=lambada", f"--data_root={tmp_path}"])   # (refused first)
-    r = subprocess.run(sample + [f"--tokenizer={tok}", "--start=a"], capture_output=True, text=True)
-    assert r.returncode == 0 and f"tokenizer: {tok}" in r.stderr, r.stderr
+    assert named.returncode == 0 and f"tokenizer: {tok}" in named.stderr, named.stderr
     with pytest.raises(ValueError, match=r"has 100277 tokens, more than the model's vocabulary \(259\)"):
         evaluate.load_model(conv, "cpu", tokenizer="cl100k_base")
 
@@ -2182,16 +2218,17 @@ def test_probe_kl_maps_and_plots(eval_ckpt, eval_root, tmp_path):
 
 def test_bench_smoke(tmp_path):
     """bench.py end to end on a tiny shape: every variant runs, the JSON holds the table's fields."""
-    out = str(tmp_path / "bench.json")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--scales=tiny", "--device=cpu", "--steps=2",
-                        "--warmup=1", "--compile=False", f"--output={out}"], capture_output=True, text=True, timeout=600)
+    out, bench_py = str(tmp_path / "bench.json"), os.path.join(HERE, "bench.py")
+    r, unknown = together(
+        lambda: subprocess.run([sys.executable, bench_py, "--scales=tiny", "--device=cpu", "--steps=2", "--warmup=1",
+                                "--compile=False", f"--output={out}"], capture_output=True, text=True, timeout=600),
+        lambda: subprocess.run([sys.executable, bench_py, "--scales=2b"], capture_output=True, text=True), cores_each=1)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.load(open(out))["rows"]
     assert [row["variant"] for row in rows] == list(bench.VARIANTS)
     assert all(row["tok_s"] > 0 and math.isfinite(row["loss"]) for row in rows)
     assert "| baseline | 1.00x" in r.stdout
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--scales=2b"], capture_output=True, text=True)
-    assert r.returncode != 0 and "unknown scale/variant ['2b']" in r.stderr
+    assert unknown.returncode != 0 and "unknown scale/variant ['2b']" in unknown.stderr
     for bad in (["--new=0"], ["--batch=1,x"], ["--prompt=-3"]):
         with pytest.raises(SystemExit, match="must be positive integers"):
             bench.generate_main(["--scale=tiny", "--device=cpu", *bad])
