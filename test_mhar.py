@@ -34,6 +34,9 @@ import torch
 if not torch.cuda.is_available():   # kernels run on the CPU through Triton's interpreter (set before importing it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the cores this process may keep busy: the machine's, shared among pytest-xdist's workers under pytest -n
+CORES = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(min(torch.get_num_threads(), CORES))
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The suite's subprocesses (train.py, torchrun, sample.py, ...) import torch afresh. Where Python cannot keep bytecode
@@ -124,23 +127,28 @@ TRAIN_ARGS = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--n_embd=64", "--ff
               "--eval_tokens=2048", "--device=cpu", "--compile=False", "--residual=mhar"]
 
 
+def launch_env(nproc=1):
+    """A launched run's environment: 2 threads for one process, 1 each for several (not every core each)."""
+    return dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+
+
 def run_train(out_dir, data_dir, *extra, nproc=1, wait=True):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                     "--standalone", f"--nproc_per_node={nproc}"]
     cmd = launcher + [os.path.join(HERE, "train.py"), f"--data_dir={data_dir}", f"--out_dir={out_dir}", *TRAIN_ARGS, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    env = launch_env(nproc)
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
 def together(*launches, cores_each=2):
-    """Independent launches side by side, as many at once as the machine's cores hold (each launch a function of no
+    """Independent launches side by side, as many at once as this process's CORES hold (each launch a function of no
     arguments: lambda: run_train(...)); their results in order. cores_each: the cores one keeps busy, 2 for a training
     run (OMP_NUM_THREADS=2), 1 for one that stops before training. A launch spends ~4 s importing torch and
     torch._dynamo on one core before its first step: side by side, those seconds overlap (on 2 cores two training
     runs at once are slower than one after the other, so there they take turns)."""
-    workers = max(1, min(len(launches), (os.cpu_count() or 1) // cores_each))
+    workers = max(1, min(len(launches), CORES // cores_each))
     with ThreadPoolExecutor(workers) as pool:
         return [f.result() for f in [pool.submit(launch) for launch in launches]]
 
@@ -1868,7 +1876,7 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
     gpt2_data = corpus_gpt2(tmp_path, corpus)
 
     def run(*argv):
-        return subprocess.run(list(argv), capture_output=True, text=True)
+        return subprocess.run(list(argv), capture_output=True, text=True, env=launch_env())
     r, bf16, gpt2, arch = together(   # the runs from the converted model, side by side
         lambda: run(*cmd, "--max_steps=4", "--eval_interval=2"),
         # the single-GPU 8B setting of BENCHMARKS.md: bf16 weights and AdamW states, no checkpoint written
@@ -1947,7 +1955,7 @@ def test_fsdp_delta_saves_and_resumes(tmp_path, corpus):
     model = GPT.from_checkpoint(out)   # the FSDP run's checkpoint, resumed in one process
     assert model.routes[0].alpha.shape == (1,)
     r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args, "--init_from=resume", "--max_steps=5"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=launch_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(read_log(out)[0]) == [1, 2, 3, 4, 5]
 
@@ -2403,7 +2411,10 @@ def test_temperature_study_driver(tmp_path, data_dir):
     assert r.returncode == 2 and "prepare_data.py --max_tokens=2.7e9" in r.stdout
     assert not logs.exists()   # nothing ran
 
-    r = run_sh(*specs, GPUS="2")
+    paper = dict(DATA=data_dir, BUDGET="paper", LOGS=str(tmp_path / "logs_paper"))
+    r, first_paper = together(   # BUDGET=paper's first call (its own logs and runs folders) beside the reduced runs
+        lambda: run_sh(*specs, GPUS="2"),
+        lambda: run_sh("124m:mhar:0", **paper, EXTRA=env["EXTRA"].replace("--max_steps=4", "--max_steps=2")))
     assert r.returncode == 0, r.stdout + r.stderr
     names = {"100m_mhar_s0": ("mhar", 0, 1.0, None, 0.0), "100m_attnres_s0_x0.5": ("attnres", 0, 0.5, None, 0.0),
              "124m_attnres_s1": ("attnres", 1, 1.0, None, 0.0), "100m_mhar_s2_h2_q0.02": ("mhar", 2, 1.0, 2, 0.02)}
@@ -2424,8 +2435,7 @@ def test_temperature_study_driver(tmp_path, data_dir):
     assert r.returncode == 1 and "run.sh: 1 run(s) failed: 100m_mhar_s1" in r.stdout, r.stdout
     assert not (logs / "100m_mhar_s1.log.jsonl").exists() and "no_such_flag" in (logs / "100m_mhar_s1.txt").read_text()
     # BUDGET=paper: the paper's config files (their budget overridden here), checkpoints kept, a stopped run resumed
-    paper = dict(DATA=data_dir, BUDGET="paper", LOGS=str(tmp_path / "logs_paper"))
-    r = run_sh("124m:mhar:0", **paper, EXTRA=env["EXTRA"].replace("--max_steps=4", "--max_steps=2"))
+    r = first_paper
     assert r.returncode == 0 and (work / "out" / "study_paper" / "124m_mhar_s0" / "ckpt.pt").is_file(), r.stdout
     os.remove(tmp_path / "logs_paper" / "124m_mhar_s0.log.jsonl")   # as if the call had stopped before copying it
     r = run_sh("124m:mhar:0", **paper)                                # ... and the run is given 4 steps now
