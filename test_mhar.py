@@ -611,6 +611,41 @@ def assert_grads_close(fused, ref, tol=1e-4):
         assert rel_err(a.double(), b.double()) < tol, p
 
 
+def test_chain_backward_needs_only_the_gather():
+    """The routing chain's backward from one pass over (source n, later site j) pairs reading G_j, the site's output
+    gradient, with no pass over each site's sources: per site only c_j = <G_j, out_j> per head (= sum_n alpha da) and
+    the forward's log-sum-exp; per pair alpha, da = <G_j, s_n> and dlogit = alpha (da - c_j) recomputed beside s_n.
+    Every gradient equals autograd's through route_reference (whose math is fp32; here float64 inputs and sums),
+    site j routing over sources 0..j-1."""
+    gen = torch.Generator().manual_seed(0)
+    N, B, T, d, H, eps = 5, 2, 3, 24, 3, 1e-6
+    S = torch.randn(N, B, T, d, generator=gen, dtype=torch.float64).requires_grad_(True)
+    q = (torch.randn(N, d, generator=gen, dtype=torch.float64) * 0.7).requires_grad_(True)
+    g = (1 + 0.3 * torch.randn(N, d, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    G = torch.randn(N, B, T, d, generator=gen, dtype=torch.float64)
+    outs = [route_reference(S[:j], q[j - 1], g[j - 1], H, eps) for j in range(1, N + 1)]
+    sum((o * G[j]).sum() for j, o in enumerate(outs)).backward()
+    heads = lambda x: x.view(*x.shape[:-1], H, d // H)
+    s, w = heads(S.detach()), heads(q.detach() * g.detach())        # w_j = q_j g_j: logit = r_n <w_j, s_n>
+    r = torch.rsqrt(S.detach().pow(2).mean(-1) + eps)               # (N, B, T)
+    lse = [torch.logsumexp(r[:j, ..., None] * (s[:j] * w[j - 1]).sum(-1), 0) for j in range(1, N + 1)]
+    c = [(heads(G[j]) * heads(o.detach())).sum(-1) for j, o in enumerate(outs)]   # (B, T, H) per site
+    dS, dq, dg = torch.zeros_like(S), torch.zeros_like(q), torch.zeros_like(g)
+    for n in range(N):   # the gather: source n, then every later site j that routes over it
+        for j in range(n + 1, N + 1):
+            Gj = heads(G[j - 1])
+            logit = r[n, ..., None] * (s[n] * w[j - 1]).sum(-1)         # (B, T, H)
+            alpha = torch.exp(logit - lse[j - 1])
+            dlogit = alpha * ((Gj * s[n]).sum(-1) - c[j - 1])
+            dS[n] += (alpha[..., None] * Gj + r[n, ..., None, None] * dlogit[..., None] * w[j - 1]).flatten(-2)
+            dS[n] -= (r[n] ** 2 / d * (dlogit * logit).sum(-1))[..., None] * S[n].detach()
+            dw = (dlogit[..., None] * r[n, ..., None, None] * s[n]).flatten(-2).sum((0, 1))   # d logit / d w_j
+            dq[j - 1] += dw * g[j - 1].detach()
+            dg[j - 1] += dw * q[j - 1].detach()
+    for ours, autograd in ((dS, S.grad), (dq, q.grad), (dg, g.grad)):
+        assert rel_err(ours, autograd) < 1e-6, rel_err(ours, autograd)
+
+
 @pytest.mark.parametrize("null", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_route_stack_matches_reference(null, dtype):
