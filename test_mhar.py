@@ -1855,6 +1855,7 @@ def test_convert_bad_inputs_write_nothing(tmp_path):
     shutil.copytree(hf_dir, missing)
     os.remove(os.path.join(missing, "model-00002-of-00002.safetensors"))
     cases.append((missing, r"missing from .*model-00002-of-00002.safetensors"))
+
     def convert_into(d):
         return subprocess.run([sys.executable, os.path.join(HERE, "convert.py"), f"--hf_dir={d}",
                                f"--out_dir={os.path.join(d, 'out')}", "--num_blocks=2"], capture_output=True, text=True)
@@ -2470,8 +2471,8 @@ def test_temperature_study_driver(tmp_path, data_dir):
     assert r.returncode == 1 and "run.sh: 1 run(s) failed: 100m_mhar_s1" in r.stdout, r.stdout
     assert not (logs / "100m_mhar_s1.log.jsonl").exists() and "no_such_flag" in (logs / "100m_mhar_s1.txt").read_text()
     # BUDGET=paper: the paper's config files (their budget overridden here), checkpoints kept, a stopped run resumed
-    r = first_paper
-    assert r.returncode == 0 and (work / "out" / "study_paper" / "124m_mhar_s0" / "ckpt.pt").is_file(), r.stdout
+    assert first_paper.returncode == 0, first_paper.stdout
+    assert (work / "out" / "study_paper" / "124m_mhar_s0" / "ckpt.pt").is_file(), first_paper.stdout
     os.remove(tmp_path / "logs_paper" / "124m_mhar_s0.log.jsonl")   # as if the call had stopped before copying it
     r = run_sh("124m:mhar:0", **paper)                                # ... and the run is given 4 steps now
     assert r.returncode == 0 and "124m_mhar_s0: resuming out/study_paper/124m_mhar_s0" in r.stdout, r.stdout
