@@ -50,7 +50,8 @@ PLAN2 = [  # 100M, zero init: MHAR's H against the single head's s, under s = 1/
 INTERACTIONS = [("124m", ("attnres_q0.02", "attnres"), ("mhar_q0.02", "mhar")),
                 ("124m", ("attnres_x0.5_q0.02", "attnres_x0.5"), ("mhar_q0.02", "mhar"))]
 # comparisons added after the planned runs were seen: printed apart, as descriptions (their t is shown, not tested)
-ADDED = [("124m", "mhar", "baseline"), ("124m", "attnres", "baseline"), ("124m", "attnres_x0.5", "baseline")]
+ADDED = [("124m", "mhar", "baseline"), ("124m", "attnres", "baseline"), ("124m", "attnres_x0.5", "baseline"),
+         ("124m", "attnres_x0.25", "attnres_x0.5")]   # the 1/H match against the 1/sqrt(H) one, single heads
 
 
 CONFIG = re.compile(r"(baseline|attnres|mhar)(?:_x([\d.]+))?(?:_h(\d+))?(?:_q([\d.]+))?")
