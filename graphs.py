@@ -236,7 +236,7 @@ class OverlappedGradSync:
 # every new token.
 
 class DecodeGraph:
-    """One-token steps over a model.KVCache: step(token (B, 1)) -> logits (B, 1, vocab), cache.pos advanced.
+    """One-token steps over a generation.KVCache: step(token (B, 1)) -> logits (B, 1, vocab), cache.pos advanced.
     capture() records the step as a CUDA graph; built directly (graph None) it runs the same step eagerly (tests)."""
     MIN_TOKENS = 16   # generate graphs only this many new tokens or more: the capture costs a few eager steps
 

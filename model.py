@@ -9,7 +9,7 @@ H = 1 is attention residuals (Kimi, arXiv 2603.15031; paper Eq. 2, Appendix B); 
 
 In the paper's order: GPTConfig -> the blocks (RMSNorm, RoPE, Attention, MLP) -> the routing (route_reference, Route,
 the depth histories: the new idea) -> HyperConnection (the comparison) -> GPT (forward for every mode, optimizer,
-generation, MFU, checkpoint loading) -> KVCache (generation's state) last.
+MFU, checkpoint loading). Generation's loop and its KV cache live in generation.py.
 """
 import functools
 import math
@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint import read_checkpoint
-from graphs import DecodeGraph
+from generation import generate
 
 RESIDUAL_MODES = ("baseline", "hyper", "attnres", "mhar", "delta")
 ROUTING_IMPLS = ("auto", "fused", "reference")
@@ -48,6 +48,7 @@ class GPTConfig:
     route_heads: int | None = None # routing heads H; None: n_kv_head for mhar (the paper's default), 8 for delta
     route_scale: float = 1.0       # multiplier s on every routing logit (a temperature control; the paper: none, 1)
     route_init_std: float = 0.0    # attnres / mhar: queries N(0, std^2) (0: zero; the paper's FineWeb runs: random)
+    route_blocks: int | None = None  # attnres / mhar: None = full routing; n = block routing, 2L sublayers in n blocks
     num_blocks: int = 8            # delta: the layers form num_blocks blocks; completed block deltas are sources
     hc_streams: int = 4            # hyper-connections: number of residual streams n
     hc_dynamic: bool = True        # hyper-connections: dynamic (DHC) or static (SHC) connection weights
@@ -81,6 +82,14 @@ class GPTConfig:
             bad(f"route_init_std={self.route_init_std!r} must be a number >= 0 (0: zero queries)")
         if self.route_init_std and self.residual not in ("attnres", "mhar"):
             bad(f"route_init_std={self.route_init_std} is for attnres and mhar, not residual={self.residual!r}")
+        if self.route_blocks is not None:
+            if self.residual not in ("attnres", "mhar"):
+                bad(f"route_blocks={self.route_blocks!r} is for attnres and mhar (block attention residuals), not "
+                    f"residual={self.residual!r}: drop it" + (" (delta mode's blocks: num_blocks)" if self.residual == "delta" else ""))
+            S = 2 * self.n_layer
+            if type(self.route_blocks) is not int or self.route_blocks < 1 or S % self.route_blocks:
+                bad(f"route_blocks={self.route_blocks!r} must be a positive divisor of the {S} sublayers (2 x n_layer="
+                    f"{self.n_layer}): blocks of equal length, e.g. {self.n_layer} (one layer each), or omit it for full routing")
         if self.residual == "attnres" and self.route_heads not in (None, 1):
             bad(f"residual='attnres' is single-head, got route_heads={self.route_heads}: "
                 "use residual='mhar' for several heads")
@@ -279,6 +288,32 @@ class FusedDepthHistory:
         return self.chain.route(self.j, new_source, site.q, self.gains[self.j - 1])
 
 
+class BlockDepthHistory:
+    """Block routing (Block AttnRes, Kimi arXiv 2603.15031; H > 1 is its multi-head form): the 2L sublayers form n
+    blocks of P = 2L / n in order; inside a block the outputs add up as a residual stream does, and a site routes over
+    the embedding, every completed block's sum and the current block's partial sum: at most n + 1 sources where full
+    routing has up to 2L + 1. Kimi's pseudocode and the MHAR authors' block modes route a block's first site over the
+    block just completed as their "partial" before storing it; here it is stored first: the same sources in the same
+    order. Their blocks hold whole layers (P even); here P may be odd, and P = 1 is full routing, bitwise.
+    route_site routes one site over its stacked sources (reference or routing_kernel.route_stack)."""
+
+    def __init__(self, sites, per_block, route_site):
+        self.sites, self.per_block, self.route_site = sites, per_block, route_site
+        self.blocks, self.partial, self.j = [], None, 0   # completed: s_0 and block sums; the open block's sum
+
+    def route(self, new_source):
+        if self.j == 0:
+            self.blocks.append(new_source)   # s_0, the embedding: a block of its own
+        else:
+            self.partial = new_source if self.partial is None else self.partial + new_source
+            if self.j % self.per_block == 0:   # the block is complete
+                self.blocks.append(self.partial)
+                self.partial = None
+        self.j += 1
+        sources = self.blocks if self.partial is None else self.blocks + [self.partial]
+        return self.route_site(self.sites[self.j - 1], torch.stack(sources))
+
+
 # -----------------------------------------------------------------------------
 # Hyper-connections (Zhu et al., arXiv 2409.19606), the learned-residual comparison of paper Table 1.
 #
@@ -452,9 +487,13 @@ class GPT(nn.Module):
 
     def _history(self, x, routing):
         """A DepthHistory for one forward pass: the fused chain where it can run (and alpha is not recorded), else
-        the reference list."""
+        the reference list; with route_blocks, a BlockDepthHistory."""
         sites = self.routing_sites()
-        if routing is None and self.routing_path(x.device, x.dtype) == "fused":
+        fused = routing is None and self.routing_path(x.device, x.dtype) == "fused"
+        if self.cfg.route_blocks:   # block routing: the per-call kernels (route_stack) on each site's few sources
+            route = self._route_fused if fused else functools.partial(self._route_stack, routing=routing)
+            return BlockDepthHistory(sites, 2 * self.cfg.n_layer // self.cfg.route_blocks, route)
+        if fused:
             if self._router is None:
                 from routing_kernel import FusedRouter
                 self._router = FusedRouter(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps, self.routing_config)
@@ -470,6 +509,11 @@ class GPT(nn.Module):
         out, alpha = route_reference(stacked, site.q, site.gain(), site.heads, site.eps, return_alpha=True)
         routing.append(alpha)
         return out
+
+    def _route_fused(self, site, stacked):
+        """routing_kernel.route_stack on one site's stacked sources (N, B, T, d)."""
+        from routing_kernel import route_stack
+        return route_stack(stacked, site.q, site.gain(), site.heads, site.eps, config=self.routing_config)
 
     def _delta_forward(self, x, cos, sin, routing, cache=None):
         """Delta form (paper section 3.3, Appendix E; grafting onto a pretrained model): the residual stream x stays,
@@ -584,49 +628,10 @@ class GPT(nn.Module):
         peak = peak_flops(device_name)
         return None if peak is None else self.flops_per_token(seq_len) * tokens_per_s / peak
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, stop=None, cuda_graph=None):
-        """Append max_new_tokens tokens to idx (B, T), every row of one length; temperature 0 means greedy. With the
-        KV cache (the default) each new token costs one position's forward. The context is the last block_size
-        tokens: a longer prompt is cut to them, and when the cache is full it restarts from the last block_size / 2
-        tokens (uncached generation slides a full window instead, so past block_size the two may differ).
-        stop(idx) -> bool: end early when it holds (checked after every token). cuda_graph (None: on CUDA, for
-        DecodeGraph.MIN_TOKENS new tokens or more): replay each one-token step as a CUDA graph (DecodeGraph)."""
-        L = self.cfg.block_size
-        if cuda_graph is None:
-            cuda_graph = idx.is_cuda and max_new_tokens >= DecodeGraph.MIN_TOKENS
-        cache, fed, step = None, 0, None   # fed: tokens of idx the cache holds; step: the graphed decode step
-        for _ in range(max_new_tokens):
-            if not use_cache:
-                logits, _ = self(idx[:, -L:])
-            elif cache is None or cache.pos == L:   # (re)start: prefill the last tokens
-                keep = min(idx.size(1), L if cache is None else L // 2)
-                if cache is None:
-                    cache = KVCache(self, idx.size(0), L, dtype=self._act_dtype(self.wte.weight))
-                cache.pos, fed = 0, idx.size(1) - keep
-                logits, _ = self(idx[:, fed:], cache=cache)
-                fed = idx.size(1)
-            elif cuda_graph and step is not False:
-                if step is None:
-                    step = DecodeGraph.capture(self, cache, idx[:, -1:], say=self._say)
-                logits = step(idx[:, -1:]) if step else self(idx[:, -1:], cache=cache)[0]
-                fed = idx.size(1)
-            else:
-                logits, _ = self(idx[:, fed:], cache=cache)
-                fed = idx.size(1)
-            logits = logits[:, -1, :].float()
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1)
-            idx = torch.cat((idx, nxt), dim=1)
-            if stop is not None and stop(idx):
-                break
-        return idx
+        """Append max_new_tokens tokens to idx (B, T), every row of one length; temperature 0 means greedy; with the KV
+        cache by default. The loop and its options: generation.generate."""
+        return generate(self, idx, max_new_tokens, temperature, top_k, use_cache, stop, cuda_graph)
 
     @classmethod
     def from_state(cls, cfg, state, device=None):
@@ -668,53 +673,3 @@ def peak_flops(device_name):
         if key in (device_name or ""):
             return PEAK_FLOPS[key]
     return None
-
-
-# -----------------------------------------------------------------------------
-# Generation: the KV cache (graphs.DecodeGraph replays its one-token steps as CUDA graphs)
-
-class KVCache:
-    """Keys and values of every attention layer for generation: (B, n_kv_head, max_len, head_dim) per layer, filled
-    left to right. It is the only state generation needs in any residual mode: routing (and hyper-connections, and
-    delta mode) mix each token's own depth history, the outputs of earlier sublayers at the same position, so a new
-    token computes its whole history itself; only attention reads other positions.
-
-        cache = KVCache(model, batch=B, max_len=model.cfg.block_size)
-        logits, _ = model(prompt, cache=cache)      # positions 0 .. T-1
-        logits, _ = model(next_token, cache=cache)  # position T, and so on"""
-
-    def __init__(self, model, batch, max_len=None, device=None, dtype=None):
-        cfg, w = model.cfg, model.wte.weight
-        self.max_len = max_len or cfg.block_size
-        if self.max_len > cfg.block_size:
-            raise ValueError(f"KVCache max_len={self.max_len} exceeds block_size={cfg.block_size} (the RoPE tables)")
-        shape = (batch, cfg.n_kv_head, self.max_len, cfg.hd)
-        self.k = [torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros_like(t) for t in self.k]
-        self.pos, self.layer = 0, 0   # tokens cached; the next attention layer in this forward
-        self.step_pos = None          # DecodeGraph's one-token steps: the position as a (1,) device tensor
-
-    def extend(self, k, v):
-        """Append one layer's new (B, kv, T, hd) keys and values: all its keys and values so far, and the mask of
-        the new queries (None when the plain causal mask, or no mask, is right)."""
-        T, i = k.size(2), self.layer
-        if self.step_pos is not None:   # fixed shapes, the position on the device: a CUDA graph can replay it
-            self.layer += 1
-            self.k[i].index_copy_(2, self.step_pos, k)
-            self.v[i].index_copy_(2, self.step_pos, v)
-            seen = (torch.arange(self.max_len, device=k.device) <= self.step_pos)[None]   # (1, max_len): up to here
-            return self.k[i].to(k.dtype), self.v[i].to(v.dtype), seen
-        if self.pos + T > self.max_len:
-            raise ValueError(f"KVCache full: {self.pos} + {T} tokens > max_len={self.max_len}")
-        self.k[i][:, :, self.pos:self.pos + T] = k
-        self.v[i][:, :, self.pos:self.pos + T] = v
-        self.layer += 1
-        end = self.pos + T
-        mask = None
-        if T > 1 and self.pos > 0:   # a chunk after cached tokens: query t sees positions <= pos + t
-            mask = torch.ones(T, end, dtype=torch.bool, device=k.device).tril(self.pos)
-        return self.k[i][:, :, :end].to(k.dtype), self.v[i][:, :, :end].to(v.dtype), mask
-
-    def advance(self, T):
-        """After a forward over T new tokens: they are cached."""
-        self.pos, self.layer = self.pos + T, 0

@@ -1,10 +1,12 @@
 """
-Tests: python -m pytest -q test_mhar.py   (CPU; a few minutes on 2 cores; on a CUDA machine the kernels run there)
+Tests: the README's command, python -m pytest -q -rs -n auto --maxprocesses=16 --dist worksteal test_mhar.py
+(pytest-xdist, one worker per core; plain `python -m pytest test_mhar.py` runs the same tests one by one)
 
 One section per file under test, fixtures and helpers first. Uses ../shared/data (offline text and tiktoken cache)
 when it is there; otherwise a small corpus built from Python's own documentation, and tiktoken's normal download.
 """
 import errno
+import functools
 import glob
 import importlib.util
 import json
@@ -61,7 +63,8 @@ import checkpoint  # noqa: E402
 import graphs  # noqa: E402
 from bench import run_chain  # noqa: E402   (N routing sites with a sublayer between them, like a model's)
 from graphs import DecodeGraph  # noqa: E402
-from model import GPT, GPTConfig, KVCache, peak_flops, route_reference  # noqa: E402
+from model import GPT, GPTConfig, peak_flops, route_reference  # noqa: E402
+from generation import KVCache  # noqa: E402
 
 
 MODES = ("baseline", "hyper", "attnres", "mhar")
@@ -245,6 +248,36 @@ def test_random_init_queries_keep_the_pairing():
     assert torch.equal(q, queries(states["attnres_random"]))   # the same draws: H only splits the same vector
     torch.manual_seed(4)
     assert not torch.equal(q, queries(GPT(tiny_cfg(**cfg, residual="mhar", route_init_std=0.02)).state_dict()))
+
+
+@pytest.mark.parametrize("mode,H", [("attnres", None), ("mhar", 2)])
+def test_block_routing_sources(mode, H):
+    """route_blocks = n (block routing, n blocks of P = 2L / n sublayers): every site's sources, as the routing sees
+    them, are the embedding, each completed block's sum and the open block's partial sum, built here from the
+    sublayer outputs with the same additions in the same order (bitwise), never more than n + 1; n = 2L (one sublayer
+    a block) is full routing, bitwise: the same loss and every gradient."""
+    idx, L = torch.randint(0, 96, (2, 11)), 3
+    for n in (1, 2, 3, 6):   # P = 6 (one block), 3 (blocks split a layer), 2 (one layer each), 1 (full routing)
+        torch.manual_seed(0)
+        m = GPT(tiny_cfg(residual=mode, route_heads=H, route_blocks=n, route_init_std=0.3, n_layer=L))
+        seen, outs, P = [], [], 2 * L // n
+        m.routing_observer = lambda site, stacked: seen.append(stacked)
+        for sub in m.sublayers():
+            sub.register_forward_hook(lambda mod, args, out: outs.append(out))
+        m(idx)
+        emb = m.wte(idx)
+        assert len(seen) == 2 * L + 1 and len(outs) == 2 * L
+        for j, stacked in enumerate(seen):   # site j + 1 reads the outputs of sublayers 1..j
+            want = [emb] + [functools.reduce(torch.add, outs[i:min(i + P, j)]) for i in range(0, j, P)]
+            assert stacked.shape[0] == len(want) <= n + 1 and torch.equal(stacked, torch.stack(want)), (n, j)
+    runs = []
+    for blocks in (None, 2 * L):
+        torch.manual_seed(0)
+        m = GPT(tiny_cfg(residual=mode, route_heads=H, route_blocks=blocks, route_init_std=0.3, n_layer=L))
+        loss = m(idx, idx)[1]
+        loss.backward()
+        runs.append([loss] + [p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 @pytest.mark.parametrize("mode", ["attnres", "mhar", "hyper"])
@@ -806,6 +839,14 @@ def test_fused_model_matches_reference(mode, H):
     fused_model_vs_reference(residual=mode, route_heads=H)
 
 
+@pytest.mark.parametrize("mode,H", [("attnres", None), ("mhar", 2)])
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_fused_block_routing_matches_reference(mode, H, n):
+    """Block routing on the per-call kernels (route_stack at every site) against the reference: logits and every
+    gradient, L = 4 in n = 1, 2 (L / 2) and 8 (2L: full routing's sources) blocks."""
+    fused_model_vs_reference(residual=mode, route_heads=H, route_blocks=n, n_layer=4)
+
+
 def test_fused_model_shared_reads():
     """model.py hands the router every site's query and gain: with every other site leading (forward and gather),
     the fused model still matches the reference (fails if a leading site reads its own query for the next site)."""
@@ -1065,10 +1106,27 @@ def test_hub_offline_gives_the_local_input_hint(tmp_path, monkeypatch):
     (["--grad_bucket_mb=0"], r"grad_bucket_mb=0.0 must be positive"),
     (["--routing_lr_scale=0"], r"routing_lr_scale=0.0 must be positive"),
     (["--route_init_std=0.02", "--residual=hyper"], r"route_init_std=0.02 is for attnres and mhar, not residual='hyper'"),
+    (["--route_blocks=5"], r"route_blocks=5 must be a positive divisor of the 24 sublayers \(2 x n_layer=12\)"),
+    (["--route_blocks=0"], r"route_blocks=0 must be a positive divisor"),
+    (["--route_blocks=2", "--residual=baseline"], r"route_blocks=2 is for attnres and mhar .*not residual='baseline'"),
+    (["--route_blocks=2", "--residual=hyper"], r"route_blocks=2 is for attnres and mhar .*not residual='hyper'"),
+    (["--route_blocks=2", "--residual=delta", "--num_blocks=4"], r"not residual='delta': drop it \(delta mode's blocks: num_blocks\)"),
 ])
 def test_bad_train_options(argv, msg):
     with pytest.raises(ValueError, match=msg):
         train.parse_args(argv)
+
+
+def test_resume_refuses_another_route_blocks():
+    """A checkpoint's model_config records route_blocks (train.py saves asdict of it); resuming with another value is
+    refused, also against a checkpoint from before the field (its routing: full, None); the same value passes."""
+    saved = vars(GPTConfig(route_blocks=2))
+    older = {k: v for k, v in vars(GPTConfig()).items() if k != "route_blocks"}
+    assert saved["route_blocks"] == 2 and GPTConfig.from_dict(older).route_blocks is None
+    for model_config, was in ((saved, 2), (older, None)):
+        with pytest.raises(SystemExit, match=rf"would be ignored: --route_blocks=4 \(checkpoint: {was}\)"):
+            train.refuse_ignored_architecture(train.parse_args(["--route_blocks=4"]), model_config, "ckpt.pt")
+    train.refuse_ignored_architecture(train.parse_args(["--route_blocks=2"]), saved, "ckpt.pt")
 
 
 def test_config_file_errors_name_the_file_and_line(tmp_path):

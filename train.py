@@ -388,8 +388,9 @@ def resolve_start(cfg, data, master):
 def refuse_ignored_architecture(cfg, model_config, path):
     """A checkpoint's architecture is the model's: explicit options that differ from it would be ignored, so refuse
     (block_size, the training sequence length, and routing_impl apply)."""
+    model_config = {**{f.name: f.default for f in fields(GPTConfig)}, **model_config}   # a field newer than the file
     keys = sorted(k for k in getattr(cfg, "explicit", ()) if k in MODEL_KEYS and k not in ("routing_impl", "block_size")
-                  and k in model_config and model_config[k] != getattr(cfg, k))
+                  and model_config[k] != getattr(cfg, k))
     if keys:
         fail(f"the architecture comes from {path}; these options differ from it and would be ignored: "
              + ", ".join(f"--{k}={getattr(cfg, k)!r} (checkpoint: {model_config[k]!r})" for k in keys)

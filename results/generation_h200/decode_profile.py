@@ -14,7 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import bench
 from graphs import DecodeGraph
-from model import GPT, GPTConfig, KVCache
+from generation import KVCache
+from model import GPT, GPTConfig
 
 
 def smi(fields):
