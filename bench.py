@@ -51,19 +51,21 @@ import torch.distributed as dist
 import graphs
 import routing_kernel as rk
 import train
-from model import GPT, GPTConfig, route_reference
+from model import GPT, BlockDepthHistory, GPTConfig, route_reference
 
 # a scale: its config files (applied in order) or the shape itself. 124m: paper Table 9's width control, d768 at the
 # 100M recipe's microbatch (8 x 2048; the paper trained it at sequence 2048, global batch 64)
 SCALES = {"100m": ("config/train_100m.py",), "124m": ("config/train_100m.py", "config/repro_124m.py"),
           "350m": ("config/train_350m.py",), "1b": ("config/train_1b.py",),
-          "tiny": dict(n_layer=2, n_head=2, n_kv_head=1, n_embd=64, ffn_hidden=128, block_size=64, micro_batch=2)}
+          "tiny": dict(n_layer=4, n_head=2, n_kv_head=1, n_embd=64, ffn_hidden=128, block_size=64, micro_batch=2)}
 VARIANTS = {
     "baseline": dict(residual="baseline"),
     "mhar_eager": dict(residual="mhar", routing_impl="reference", compile_routing=False),
     "mhar_compiled": dict(residual="mhar", routing_impl="reference"),
     "mhar_fused": dict(residual="mhar", routing_impl="fused"),
     "attnres_fused": dict(residual="attnres", routing_impl="fused"),
+    "mhar_block8": dict(residual="mhar", routing_impl="fused", route_blocks=8),        # block routing, 8 blocks
+    "attnres_block8": dict(residual="attnres", routing_impl="fused", route_blocks=8),  # Block AttnRes (Kimi)
     "hyper": dict(residual="hyper"),
 }
 PAPER_VOCAB = 151936
@@ -224,7 +226,8 @@ def routing_ms(scale, variant, device, vocab):
     H = 1 if v["residual"] == "attnres" else kw["n_kv_head"]
     impl = "fused" if v["routing_impl"] == "fused" else "compiled" if v.get("compile_routing", True) else "eager"
     ref = torch.compile(route_reference, dynamic=True) if impl == "compiled" else None
-    ms, _ = time_chain(impl, 2 * kw["n_layer"] + 1, B, kw["block_size"], kw["n_embd"], H, device, ref, graph=impl == "fused")
+    ms, _ = time_chain(impl, 2 * kw["n_layer"] + 1, B, kw["block_size"], kw["n_embd"], H, device, ref, graph=impl == "fused",
+                       blocks=v.get("route_blocks"))
     return ms
 
 
@@ -392,10 +395,11 @@ def run_chain(route_site, source0, n_sites, sublayer):
     return x
 
 
-def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=None, seed=0, authors=None):
+def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=None, seed=0, authors=None, blocks=None):
     """A closure running one chain forward + backward (bf16 sources, the sublayer x + shift: one add per site): impl
     "fused" (routing_kernel.FusedRouter), "authors" (the authors' fused kernel, `authors` its module: load_authors),
-    else the reference route_fn over the stacked history."""
+    else the reference route_fn over the stacked history. blocks = n: block routing (model.BlockDepthHistory over the
+    N - 1 sublayers in n blocks), per site route_stack (fused) or route_fn."""
     gen = torch.Generator(device=device).manual_seed(seed)
     src = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
     qs = [(torch.randn(d, device=device, generator=gen) * 0.5).requires_grad_(True) for _ in range(N)]
@@ -405,7 +409,11 @@ def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=Non
     router = rk.FusedRouter(N, H, 1e-6, config)
 
     def step():
-        if impl == "fused":
+        if blocks:
+            call = functools.partial(rk.route_stack, config=config) if impl == "fused" else route_fn
+            hist = BlockDepthHistory(range(N), (N - 1) // blocks, lambda j, st: call(st, qs[j], gs[j], H, 1e-6))
+            out = run_chain(lambda j, x: hist.route(x), src, N, lambda j, x: x + shift)
+        elif impl == "fused":
             chain = router.start(src, qs, gs)
             out = run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), src, N, lambda j, x: x + shift)
         elif impl == "authors":   # their context: a source buffer per pass; one launch per site forward, one backward
@@ -438,11 +446,12 @@ def graphed(step):
     return graphs.capture(step)[0].replay
 
 
-def time_chain(impl, N, B, T, d, H, device, ref_compiled=None, graph=False, config=None):
+def time_chain(impl, N, B, T, d, H, device, ref_compiled=None, graph=False, config=None, blocks=None):
     """(median ms, peak GB) of one chain forward + backward: fused, compiled (ref_compiled) or eager reference.
-    graph: replay it from a CUDA graph, i.e. GPU time alone (no Python, no launch gaps)."""
+    graph: replay it from a CUDA graph, i.e. GPU time alone (no Python, no launch gaps). blocks: block routing."""
     from triton.testing import do_bench
-    step = chain_step(impl, N, B, T, d, H, device, ref_compiled if impl == "compiled" else route_reference, config)
+    step = chain_step(impl, N, B, T, d, H, device, ref_compiled if impl == "compiled" else route_reference, config,
+                      blocks=blocks)
     step()                      # compile
     step.router.chain = None    # measure memory from scratch: the chain's buffers count
     mem = _peak_gb(step)

@@ -2394,6 +2394,18 @@ def test_bench_authors_file_errors(tmp_path):
         bench.load_authors(str(tmp_path / "other.py"))
 
 
+def test_bench_block_chain():
+    """bench.py's routing chain under block routing (what routing_ms times for the *_block8 variants): the per-call
+    kernels against the reference over the same block sources, and one sublayer a block is the full chain, bitwise."""
+    N, B, T, d, H = 9, 2, 5, 32, 2
+    run = lambda impl, blocks: (lambda st: st() or st.out.float())(bench.chain_step(impl, N, B, T, d, H, DEVICE, blocks=blocks))
+    full = run("reference", None)
+    assert torch.equal(run("reference", N - 1), full)
+    for blocks in (1, 2, 4):
+        ref = run("reference", blocks)
+        assert rel_err(run("fused", blocks), ref) < 1e-2 and rel_err(ref, full) > 1e-3, blocks   # bf16 sources
+
+
 def test_bench_routing_check():
     """bench.py routing --check-only: the fused chain against the reference (fp32 at an awkward shape; on a GPU also
     bf16 at the paper's shapes), in Triton's interpreter on a CPU."""
@@ -2407,6 +2419,13 @@ def test_bench_routing_check():
 # =====================================================================================================================
 # results/: the study drivers and report scripts
 # =====================================================================================================================
+
+def write_eval_log(path, v):
+    """A finished run's log.jsonl: evals every 100 steps to 2,000, falling to v (the tail-5 is v + 0.2)."""
+    with open(path, "w") as f:
+        for step in range(0, 2001, 100):
+            f.write(json.dumps({"step": step, "val_loss": v + (2000 - step) / 1000}) + "\n")
+
 
 def test_temperature_study_report_pairs_seeds(tmp_path):
     """results/temperature_study/report.py: runs parsed from their names, paired per-seed deltas, mean, SE and t
@@ -2468,6 +2487,27 @@ def test_temperature_study_report_second_study(tmp_path):
     assert "| 124m | (attnres_q0.02 - attnres) - (mhar_q0.02 - mhar) | 0,1,2 | +0.0500 +0.0700 +0.0200 |" in table
     study.plots(rs, str(tmp_path))
     assert os.path.getsize(tmp_path / "head_vs_scale.png") > 0
+
+
+def test_block_routing_report(tmp_path):
+    """results/block_routing/report.py: block runs (hand-made logs, named as run.sh names full runs) paired with the
+    temperature study's full-routing logs of the same seeds, by the study's arithmetic (a test of it, not a result)."""
+    rep = load_module(os.path.join(HERE, "results", "block_routing", "report.py"))
+    full = tmp_path / "full"
+    full.mkdir()
+    for name, vs in {"100m_mhar_s{}": [3.80, 3.82], "100m_attnres_s{}": [3.83, 3.84], "100m_baseline_s{}": [3.9, 3.9],
+                     "100m_attnres_s{}_x0.5": [1.0, 1.0]}.items():   # the last: not a full single head, left out
+        for seed, v in enumerate(vs):
+            write_eval_log(full / f"{name.format(seed)}.log.jsonl", v)
+    for seed, (m, a) in enumerate([(3.81, 3.85), (3.84, 3.87)]):
+        write_eval_log(tmp_path / f"100m_mhar_s{seed}.log.jsonl", m)
+        write_eval_log(tmp_path / f"100m_attnres_s{seed}.log.jsonl", a)
+    rs = rep.merged(str(tmp_path), str(full))
+    assert ("100m", "mhar_block4", 1) in rs and ("100m", "attnres_x0.5", 0) not in rs
+    text = rep.report(rs)
+    assert "| 100m | mhar_block4 - mhar | 0,1 | +0.0100 +0.0200 |" in text
+    assert "| 100m | (attnres_block4 - attnres) - (mhar_block4 - mhar) | 0,1 | +0.0100 +0.0100 |" in text
+    assert "| 100m | attnres_block4 - baseline | 0,1 | -0.0500 -0.0300 |" in text
 
 
 def test_temperature_study_driver(tmp_path, data_dir):

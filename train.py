@@ -679,7 +679,8 @@ def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
     say(f"gradients: {grad_sync_plan(cfg, rt)[1]}")
     routed = mcfg.residual in ("attnres", "mhar", "delta")
     path = model.routing_path(rt.device, getattr(torch, rt.compute) if mcfg.residual != "delta" else torch.float32)
-    say(f"model: residual={mcfg.residual} (" + (f"routing heads {mcfg.heads}, {path} routing, routing_impl={mcfg.routing_impl}"
+    blocks = f" over {mcfg.route_blocks} blocks" if mcfg.route_blocks else ""
+    say(f"model: residual={mcfg.residual} (" + (f"routing heads {mcfg.heads}{blocks}, {path} routing, routing_impl={mcfg.routing_impl}"
         if routed else "no routing") + f") | {n_params:,} parameters ({n_params - model.wte.weight.numel():,} non-embedding, "
         f"{n_extra:,} residual-mechanism) | vocab {mcfg.vocab_size} ({meta['tokenizer']})")
     say(f"batch: {cfg.batch_tokens:,} tokens = {rt.world} processes x {data.accum} micro-steps x {cfg.micro_batch} x "
