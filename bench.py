@@ -410,8 +410,9 @@ def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=Non
 
     def step():
         if blocks:
-            call = functools.partial(rk.route_stack, config=config) if impl == "fused" else route_fn
-            hist = BlockDepthHistory(range(N), (N - 1) // blocks, lambda j, st: call(st, qs[j], gs[j], H, 1e-6))
+            call = functools.partial(rk.route_stack, config=config) if impl == "fused" else \
+                lambda srcs, *args: route_fn(torch.stack(srcs), *args)
+            hist = BlockDepthHistory(range(N), (N - 1) // blocks, lambda j, srcs: call(srcs, qs[j], gs[j], H, 1e-6))
             out = run_chain(lambda j, x: hist.route(x), src, N, lambda j, x: x + shift)
         elif impl == "fused":
             chain = router.start(src, qs, gs)

@@ -295,7 +295,9 @@ class BlockDepthHistory:
     routing has up to 2L + 1. Kimi's pseudocode and the MHAR authors' block modes route a block's first site over the
     block just completed as their "partial" before storing it; here it is stored first: the same sources in the same
     order. Their blocks hold whole layers (P even); here P may be odd, and P = 1 is full routing, bitwise.
-    route_site routes one site over its stacked sources (reference or routing_kernel.route_stack)."""
+    route_site(site, sources) routes one site over its list of sources: the reference stacks them, the per-call kernels
+    (routing_kernel.route_stack) read the list and keep no stacked copy for the backward: they save at most 2L + n + 1
+    (B, T, d) tensors, the partial sums and the blocks, where a stack kept per site would hold ~L (n + 2) in all."""
 
     def __init__(self, sites, per_block, route_site):
         self.sites, self.per_block, self.route_site = sites, per_block, route_site
@@ -310,8 +312,7 @@ class BlockDepthHistory:
                 self.blocks.append(self.partial)
                 self.partial = None
         self.j += 1
-        sources = self.blocks if self.partial is None else self.blocks + [self.partial]
-        return self.route_site(self.sites[self.j - 1], torch.stack(sources))
+        return self.route_site(self.sites[self.j - 1], self.blocks if self.partial is None else self.blocks + [self.partial])
 
 
 # -----------------------------------------------------------------------------
@@ -491,7 +492,7 @@ class GPT(nn.Module):
         sites = self.routing_sites()
         fused = routing is None and self.routing_path(x.device, x.dtype) == "fused"
         if self.cfg.route_blocks:   # block routing: the per-call kernels (route_stack) on each site's few sources
-            route = self._route_fused if fused else functools.partial(self._route_stack, routing=routing)
+            route = self._route_fused if fused else lambda site, srcs: self._route_stack(site, torch.stack(srcs), routing)
             return BlockDepthHistory(sites, 2 * self.cfg.n_layer // self.cfg.route_blocks, route)
         if fused:
             if self._router is None:
@@ -510,10 +511,10 @@ class GPT(nn.Module):
         routing.append(alpha)
         return out
 
-    def _route_fused(self, site, stacked):
-        """routing_kernel.route_stack on one site's stacked sources (N, B, T, d)."""
+    def _route_fused(self, site, sources):
+        """routing_kernel.route_stack on one site's list of (B, T, d) sources."""
         from routing_kernel import route_stack
-        return route_stack(stacked, site.q, site.gain(), site.heads, site.eps, config=self.routing_config)
+        return route_stack(sources, site.q, site.gain(), site.heads, site.eps, config=self.routing_config)
 
     def _delta_forward(self, x, cos, sin, routing, cache=None):
         """Delta form (paper section 3.3, Appendix E; grafting onto a pretrained model): the residual stream x stays,

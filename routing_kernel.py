@@ -14,25 +14,25 @@ Backward at site j, with G = dLoss/dout:
 
 A ladder. 1: the per-call kernels (_call_*, entry route_stack): one stateless call over stacked sources: a forward
 online softmax, a backward site pass (c, dw, each source's da and logit) and a source pass (each ds). This is the
-algorithm; delta mode runs it with a null source. 2: the chain kernels (_chain_*, entry FusedRouter): the same math
-over a whole pass, the history in one buffer, each source read once per site forward and once per site backward.
-Autograd runs site j's backward (a function of s_{j-1}, q_j, g_j) after every later site's, so site j gathers the
-whole of ds_{j-1}, in two launches per site backward: _chain_bwd_site (the sources and G_j read once: c, dw partials,
-each pair's da), then _chain_bwd_gather (s_{j-1} and every later G read once: ds_{j-1}; dw to dq, dg; and in extra
-programs the pair pass: alpha, dlogit and K's terms of site j's pairs, per pair with every head). Neighbouring sites share
-reads ("read sharing" blocks): a leading forward also runs site j+1's softmax over s_0..s_{j-1} and hands its fp32
-state to site j+1, which adds only s_j; a leading gather also sums source j-2's terms over G_j..G_N, and site j-1's
-gather adds only G_{j-1}. Deterministic: every sum has a fixed order.
+algorithm; delta mode runs it with a null source, block routing over a list of sources. 2: the chain kernels (_chain_*,
+entry FusedRouter): the same math over a whole pass, the history in one buffer, each source read once per site forward
+and once per site backward. Autograd runs site j's backward (a function of s_{j-1}, q_j, g_j) after every later site's,
+so site j gathers the whole of ds_{j-1}, in two launches per site backward: _chain_bwd_site (the sources and G_j read
+once: c, dw partials, each pair's da), then _chain_bwd_gather (s_{j-1} and every later G read once: ds_{j-1}; dw to dq,
+dg; and in extra programs the pair pass: alpha, dlogit and K's terms of site j's pairs, per pair with every head).
+Neighbouring sites share reads ("read sharing" blocks): a leading forward also runs site j+1's softmax over s_0..s_{j-1}
+and hands its fp32 state to site j+1, which adds only s_j; a leading gather also sums source j-2's terms over G_j..G_N,
+and site j-1's gather adds only G_{j-1}. Deterministic: every sum has a fixed order.
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets; pair (j, n) is row j(j-1)/2 + n of P = N(N+1)/2): S, GB [N, M, d]
 sources, upstream gradients (activation dtype); fp32 R [N, M], W [N, d], LSE, C [N, H, M], DA, LG [P, H, M] (da, logit;
 then dlogit, alpha), KP [P, M], lead state PACC [M, d], PML [2, H, M], PK [M].
 Envelope: bf16 / fp16 / fp32 sources, math in fp32; d % H == 0, D >= 16 (any D); any number of sources (tests: 145 on
 CUDA); > 2^31 elements per buffer; T = 1. Outside it a ValueError names the limit (routing_config.check_envelope, beside
-the launch settings: tile, warps and stages per kernel, tuned per width). Cost model: per (source, site) pair and channel
-the forward, the site pass and the gather each read 2 bytes (bf16), ~6 P d bytes per token (~14 for two backward reads
-and an fp32 read-modify-write per pair); a launch ~4 us per source it reads plus ~26-30 us (H200); eager, ~240 us of
-host time per site (RoutingChain._launch calls the compiled launchers directly). Measured times: BENCHMARKS.md.
+the launch settings: tile, warps and stages per kernel, tuned per width). Cost model: per (source, site) pair and
+channel the forward, the site pass and the gather each read 2 bytes (bf16), ~6 P d bytes per token (~14 for two backward
+reads and an fp32 read-modify-write per pair); a launch ~4 us per source it reads plus ~26-30 us (H200); eager, ~240 us
+of host time per site (RoutingChain._launch calls the compiled launchers directly). Measured times: BENCHMARKS.md.
 """
 import weakref
 
@@ -219,11 +219,10 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
             tl.store(DHIST + (n * M).to(tl.int64) * DM + tile, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
 
 
+@torch.no_grad()
 def rms_factors(hist, eps):
     """fp32 RMS factors (N, ...) of stacked sources (N, ..., d), not differentiated (route_stack's backward is)."""
-    with torch.no_grad():
-        ms = torch.linalg.vector_norm(hist, dim=-1, dtype=torch.float32).pow_(2).div_(hist.size(-1))
-        return torch.rsqrt(ms.add_(eps))
+    return torch.rsqrt(torch.linalg.vector_norm(hist, dim=-1, dtype=torch.float32).pow_(2).div_(hist.size(-1)).add_(eps))
 
 
 def _call_launch(setting, M, d, heads, config):
@@ -235,21 +234,24 @@ def _call_launch(setting, M, d, heads, config):
 
 
 class _RouteCall(torch.autograd.Function):
+    """One call; sources: one stacked (N, M, d) tensor, or N (M, d) ones stacked only while a kernel runs (none kept)."""
     @staticmethod
-    def forward(ctx, hist, r, null, q, g, heads, eps, config):
-        N, M, d = hist.shape
+    def forward(ctx, r, null, q, g, heads, eps, config, *sources):
+        hist = sources[0] if sources[0].dim() == 3 else torch.stack(sources)
+        (N, M, d), r = hist.shape, rms_factors(hist, eps) if r is None else r
         grid, _, warps, stages, shape = _call_launch(config.call_fwd, M, d, heads, config)
         out = torch.empty(M, d, dtype=hist.dtype, device=hist.device)
         lse = torch.empty(heads, M, dtype=torch.float32, device=hist.device)
         _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=N, eps=eps,
                         **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
-        ctx.save_for_backward(hist, r, null, q, g, lse)
+        ctx.save_for_backward(r, null, q, g, lse, *sources)
         ctx.heads, ctx.eps, ctx.config = heads, eps, config
         return out
 
     @staticmethod
     def backward(ctx, gout):
-        hist, r, null, q, g, lse = ctx.saved_tensors
+        r, null, q, g, lse, *sources = ctx.saved_tensors
+        hist = sources[0] if sources[0].dim() == 3 else torch.stack(sources)
         (N, M, d), H, has_null = hist.shape, ctx.heads, int(null is not None)
         args = dict(HIST=hist, R=r, NULL=null if has_null else q, Q=q, G=g, LSE=lse, GOUT=gout.to(hist.dtype).contiguous(),
                     M=M, N=N, eps=ctx.eps, HAS_NULL=has_null)
@@ -264,21 +266,21 @@ class _RouteCall(torch.autograd.Function):
         _call_bwd_sources[grid](**args, DA=da, LG=lg, C=c, DHIST=dhist, PARTNULL=partnull, inv_dm=1.0 / d, **shape,
                                 BLOCK_H=triton.next_power_of_2(H), STAGES=stages, num_warps=warps)
         dw, dnull = part.sum(0), partnull.sum(0).to(null.dtype) if has_null else None
-        return dhist, None, dnull, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype), None, None, None
+        return (None, dnull, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype), None, None, None,
+                *((dhist,) if sources[0].dim() == 3 else dhist.unbind(0)))
 
 
 @torch.compiler.disable
 def route_stack(sources, q, g, heads, eps, null=None, r=None, config=None):
     """model.route_reference fused: stacked sources (N, B, T, d) -> (B, T, d); null (d,) an extra first source (delta
-    mode), r = rms_factors(sources) when calls share it. Stateless: composes with FSDP and activation checkpointing."""
-    N, B, T, d = sources.shape
-    check_envelope(d, heads, sources.dtype)
-    config = config or config_for(d, heads)
-    announce(config, d, heads)
-    r = rms_factors(sources, eps) if r is None else r
-    out = _RouteCall.apply(sources.reshape(N, B * T, d).contiguous(), r.reshape(N, B * T).contiguous(),
-                           None if null is None else null.to(sources.dtype).contiguous(), q, g, heads, eps, config)
-    return out.view(B, T, d)
+    mode), r = rms_factors(sources) when calls share it; or a list of (B, T, d) sources, none stacked for the backward
+    (block routing). Stateless: composes with FSDP and activation checkpointing."""
+    B, T, d = sources[0].shape
+    check_envelope(d, heads, sources[0].dtype)
+    announce(config := config or config_for(d, heads), d, heads)
+    flat = [sources.flatten(1, 2).contiguous()] if torch.is_tensor(sources) else [s.flatten(0, 1) for s in sources]
+    return _RouteCall.apply(None if r is None else r.reshape(-1, B * T).contiguous(), None if null is None else
+                            null.to(sources[0].dtype).contiguous(), q, g, heads, eps, config, *flat).view(B, T, d)
 
 
 # ---- rung 2: the chain of one forward/backward pass (the whole depth history in one buffer) --------------------------
@@ -691,9 +693,8 @@ class RoutingChain:
             self.PART2, self.TICKET = torch.empty(self.K, d, **f32), torch.zeros(heads, dtype=torch.int32, device=device)
         fwd, gather = lead_schedule(N, cfg.lead_min)
         self.bound = {}   # launch key -> (launcher, kernel handle, metadata, arguments, slots of the varying ones)
-        self.device = torch.device(device).index   # (for the launcher's stream; None: the current device)
-        if self.device is None and DIRECT_OK and torch.device(device).type == "cuda":
-            self.device = torch.cuda.current_device()
+        dev = torch.device(device)   # the launcher's stream is its device's (index None: the current device)
+        self.device = torch.cuda.current_device() if dev.index is None and DIRECT_OK and dev.type == "cuda" else dev.index
         self._stream = triton.runtime.driver.active.get_current_stream if DIRECT_OK else None
         self.fwd_lead = fwd if self.launch["fwd_lead"] else frozenset()
         self.gather_lead = gather if self.launch["gather_lead"] and training else frozenset()
@@ -791,8 +792,7 @@ class RoutingChain:
                                "output, a second backward through one graph, or a routing call inside activation "
                                "checkpointing breaks it. Use routing_impl='reference' for such graphs")
         M, d, H = self.M, self.d, self.H
-        if grad_out.dtype != self.dtype or not grad_out.is_contiguous():
-            grad_out = grad_out.to(self.dtype).contiguous()
+        grad_out = grad_out.to(self.dtype).contiguous()   # (no copy when it already is)
         grid, bm, warps, stages, parts = self.launch["site"]
         self._launch(_chain_bwd_site, ("site",), grid, warps, (grad_out,), dict(GIN=grad_out, j=j), lambda: dict(
             S=self.S, R=self.R, W=self.W, LSE=self.LSE, GB=self.GB, LG=self.LG, DA=self.DA, C=self.C, PART=self.PART, M=M,

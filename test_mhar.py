@@ -843,8 +843,21 @@ def test_fused_model_matches_reference(mode, H):
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_fused_block_routing_matches_reference(mode, H, n):
     """Block routing on the per-call kernels (route_stack at every site) against the reference: logits and every
-    gradient, L = 4 in n = 1, 2 (L / 2) and 8 (2L: full routing's sources) blocks."""
-    fused_model_vs_reference(residual=mode, route_heads=H, route_blocks=n, n_layer=4)
+    gradient, L = 4 in n = 1, 2 (L / 2) and 8 (2L: full routing's sources) blocks. The backward keeps the sources
+    themselves, never a stacked (N, B*T, d) copy per site (which route_stack over a stack would keep)."""
+    fused = fused_model_vs_reference(residual=mode, route_heads=H, route_blocks=n, n_layer=4)
+    idx, stacks = torch.randint(0, 96, (2, 19), device=DEVICE), []
+
+    def pack(t):
+        if t.dim() == 3 and t.shape[1:] == (2 * 19, 48) and t.size(0) > 1:   # a stack of several sources' tokens
+            stacks.append(t.shape)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fused(idx, idx)
+        assert not stacks, stacks
+        fused._route_fused = lambda site, srcs: rk.route_stack(torch.stack(srcs), site.q, site.gain(), site.heads, site.eps)
+        fused(idx, idx)   # the check sees a stack when there is one
+    assert stacks, n
 
 
 def test_fused_model_shared_reads():
