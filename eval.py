@@ -434,7 +434,7 @@ def _pyplot():
     return plt
 
 
-def plot_maps(mat, path, title):
+def plot_maps(mat, path, title, xlabel="source"):
     plt = _pyplot()
     from matplotlib.colors import PowerNorm
     H = mat.size(0)
@@ -453,7 +453,7 @@ def plot_maps(mat, path, title):
         im = ax.imshow(mat[h].numpy(), aspect="auto", interpolation="nearest",
                        cmap="RdBu_r" if diverging else "viridis", **scale)
         ax.set_title(f"head {h}", fontsize=9)
-        ax.set_xlabel("source")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("site")
     fig.colorbar(im, ax=axes, shrink=0.8)
     fig.suptitle(title, fontsize=10)
@@ -461,13 +461,17 @@ def plot_maps(mat, path, title):
     plt.close(fig)
 
 
-def plot_probe(maps, probe_dir, residual):
-    """routing_maps.png and head_deviation.png (Figure 4) from per-site maps (H, sources), e.g. probe.json's "maps"."""
+def plot_probe(maps, probe_dir, residual, blocks=None):
+    """routing_maps.png and head_deviation.png (Figure 4) from per-site maps (H, sources), e.g. probe.json's "maps";
+    blocks: a block-routed model's route_blocks (its sources are the embedding, then block sums)."""
     mat = routing_matrix([torch.as_tensor(m) for m in maps])
-    plot_maps(mat, os.path.join(probe_dir, "routing_maps.png"), f"token-averaged routing weights ({residual}, H={mat.size(0)})")
+    what, xlabel = (f", {blocks} blocks", "source (0: embedding, then blocks)") if blocks else ("", "source")
+    plot_maps(mat, os.path.join(probe_dir, "routing_maps.png"),
+              f"token-averaged routing weights ({residual}{what}, H={mat.size(0)})", xlabel)
     first = mat[:, :10]
     dev = first - torch.nanmean(first, dim=0, keepdim=True)
-    plot_maps(dev, os.path.join(probe_dir, "head_deviation.png"), "deviation of each head from the head mean, sites 1-10")
+    plot_maps(dev, os.path.join(probe_dir, "head_deviation.png"), "deviation of each head from the head mean, sites 1-10",
+              xlabel)
 
 
 def run_probe(args, model, enc):
@@ -485,7 +489,7 @@ def run_probe(args, model, enc):
         idx = torch.tensor(toks[:len(toks) // T * T]).view(-1, T)
     res = probe(model, idx.to(args.device), slices=args.slices)
     os.makedirs(args.probe_dir, exist_ok=True)
-    plot_probe(res["maps"], args.probe_dir, model.cfg.residual)
+    plot_probe(res["maps"], args.probe_dir, model.cfg.residual, model.cfg.route_blocks)
     summary = {"tokens": idx.numel(), "collinearity": res["collinearity"], "table6": res.get("table6"),
                "maps": [m.tolist() for m in res["maps"]]}
     with open(os.path.join(args.probe_dir, "probe.json"), "w") as f:

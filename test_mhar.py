@@ -2301,6 +2301,17 @@ def test_harness_offline_tasks_and_lambada_agree_with_ours(eval_ckpt, eval_root,
     assert pages == [" = A = \n x \n = = B = = \n y \n", " = C = \n z \n"]
 
 
+def test_probe_on_a_block_model(tmp_path):
+    """eval.probe on a block-routed model: a map per site over its few sources (1 + completed and open blocks), and
+    the plots name them."""
+    torch.manual_seed(0)
+    m = GPT(tiny_cfg(residual="mhar", route_heads=2, route_blocks=2))   # 4 sublayers, 2 a block
+    res = evaluate.probe(m, torch.randint(0, 96, (2, 12)))
+    assert [tuple(x.shape) for x in res["maps"]] == [(2, 1), (2, 2), (2, 2), (2, 3), (2, 3)]
+    evaluate.plot_probe(res["maps"], str(tmp_path), "mhar", blocks=2)
+    assert all(os.path.getsize(tmp_path / f) > 1000 for f in ("routing_maps.png", "head_deviation.png"))
+
+
 def test_probe_kl_maps_and_plots(eval_ckpt, eval_root, tmp_path):
     gen = torch.Generator().manual_seed(0)
     sources = torch.randn(5, 2, 3, 32, generator=gen)
