@@ -24,9 +24,9 @@ starts from a garbage-collected process and a reset torch.compile cache).
 2. `python bench.py routing`: the routing chain alone (every site of a model, forward and backward, an elementwise
 sublayer between sites), fused against the reference, at the paper's Table 5 shapes and training microbatches:
 correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the 6-byte model,
-per-kernel profile; --tune / --tune-train search the launch settings (routing_kernel.RoutingConfig), --check-large
-checks offsets past 2^31 elements, --delta times the per-call kernels at an 8B delta model's shape. See
-`python bench.py routing -h`.
+per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --tune / --tune-train search the
+launch settings (routing_kernel.RoutingConfig), --check-large checks offsets past 2^31 elements, --delta times the
+per-call kernels at an 8B delta model's shape. See `python bench.py routing -h`.
 
 3. `python bench.py generate`: tokens/s of GPT.generate with and without the KV cache and its CUDA-graphed step.
 
@@ -376,9 +376,11 @@ def generate_main(argv):
 # -----------------------------------------------------------------------------
 # 2. the routing chain alone: python bench.py routing [...]
 
-# (name, L, d, H, B, T): the paper's Table 5 shapes, then each model's training microbatch (Table 1)
+# (name, L, d, H, B, T): the paper's Table 5 shapes, then each model's training microbatch (Table 1; 124M: Table 9's
+# width control at the 100M microbatch)
 CHAIN_SHAPES = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), ("1B", 36, 1280, 8, 1, 1024),
-                ("100M-train", 12, 512, 4, 8, 2048), ("350M-train", 24, 1024, 8, 4, 1024), ("1B-train", 36, 1280, 8, 2, 1024)]
+                ("100M-train", 12, 512, 4, 8, 2048), ("124M-train", 12, 768, 4, 8, 2048),
+                ("350M-train", 24, 1024, 8, 4, 1024), ("1B-train", 36, 1280, 8, 2, 1024)]
 # every setting DEFAULT and TUNED_H200 ship is a candidate, so a retune can find them again (a test checks it)
 TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3),
                    (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
@@ -685,8 +687,16 @@ def routing_main(argv):
     p.add_argument("--check-only", action="store_true", help="only the correctness checks, then exit")
     p.add_argument("--authors", metavar="PATH", help="side by side with the authors' fused kernel (your copy of their "
                    "mhar_triton.py): eager and CUDA-graph time, memory, fraction of the bandwidth bound; then exit")
+    p.add_argument("--heads", type=int, default=None, metavar="H",
+                   help="route every chain shape (timing and tuning) with H heads instead of its own (1: the single head)")
     p.add_argument("--output", default="out/routing_bench.json", help="results JSON")
     args = p.parse_args(argv)
+    chain_shapes = CHAIN_SHAPES if args.heads is None else [(name, L, d, args.heads, B, T)
+                                                            for name, L, d, _, B, T in CHAIN_SHAPES]
+    for name, _, d, H, _, _ in chain_shapes:
+        if H < 1 or d % H or d // H < 16:
+            sys.exit(f"bench.py routing: --heads={H} does not fit the {name} shape's width d={d} (H must divide d with "
+                     f"d/H >= 16)")
     device = args.device
     if device == "cpu" and not rk.available("cpu"):
         sys.exit("bench.py routing: no CUDA device; run with TRITON_INTERPRET=1 for Triton's CPU interpreter")
@@ -728,16 +738,16 @@ def routing_main(argv):
             kernels = (args.tune_train if per_shape else args.tune).split(",")
             if any(k not in CHAIN_KERNELS for k in kernels):
                 sys.exit(f"bench.py routing: --tune[-train]=KERNEL[,KERNEL]: one of {', '.join(CHAIN_KERNELS)}")
-            tune_configs(kernels, [s for s in CHAIN_SHAPES if s[0].endswith("train") == per_shape], per_shape, device)
+            tune_configs(kernels, [s for s in chain_shapes if s[0].endswith("train") == per_shape], per_shape, device)
         ref_compiled = torch.compile(route_reference, dynamic=True)
-        for name, L, d, H, B, T in CHAIN_SHAPES:
+        for name, L, d, H, B, T in chain_shapes:
             N = 2 * L + 1
             bytes6 = 6 * N * (N + 1) // 2 * B * T * d
             for impl in ("fused", "fused-graph") + (() if name.endswith("train") else ("compiled", "eager")):
                 t, mem = time_chain(impl.split("-")[0], N, B, T, d, H, device, ref_compiled, graph=impl.endswith("graph"))
                 gbps = bytes6 / t / 1e6
-                rows.append(dict(shape=name, impl=impl, ms=t, gbps=gbps, copy_frac=gbps / copy_bw, peak_gb=mem))
-                print(f"{name:11s} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s (6 B/pair-elem, {100 * gbps / copy_bw:4.1f}% "
+                rows.append(dict(shape=name, heads=H, impl=impl, ms=t, gbps=gbps, copy_frac=gbps / copy_bw, peak_gb=mem))
+                print(f"{name:11s} H={H:<2d} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s (6 B/pair-elem, {100 * gbps / copy_bw:4.1f}% "
                       f"of copy)  peak {mem:.2f} GB", flush=True)
             if not name.endswith("train"):
                 try:

@@ -2430,6 +2430,15 @@ def test_bench_block_chain():
         assert rel_err(run("fused", blocks), ref) < 1e-2 and rel_err(ref, full) > 1e-3, blocks   # bf16 sources
 
 
+def test_bench_routing_heads_option():
+    """bench.py routing --heads=H times and tunes every chain shape with H heads (1: the single head); an H that does not
+    split a shape's width is a one-line error naming it before anything runs."""
+    with pytest.raises(SystemExit, match=r"--heads=3 does not fit the 100M shape's width d=512"):
+        bench.routing_main(["--heads=3"])
+    with pytest.raises(SystemExit, match=r"--heads=64 does not fit the 100M shape's width d=512 .*d/H >= 16"):
+        bench.routing_main(["--heads=64"])
+
+
 def test_bench_routing_check():
     """bench.py routing --check-only: the fused chain against the reference (fp32 at an awkward shape; on a GPU also
     bf16 at the paper's shapes), in Triton's interpreter on a CPU."""
