@@ -495,14 +495,14 @@ def check_against_reference(N, B, T, d, H, dtype, device, config=None):
     return {name: rel(a, b) for name, a, b in zip(("out", "d_source0", "dq", "dg"), f, r)}
 
 
-def check_large(device):
+def check_large(device, config=None):
     """Forward + backward over 2 sites at 2^21 tokens x d 1024 (offsets past 2^31); compare the last rows."""
     M, d, H = 2**21, 1024, 8
     src = torch.randn(1, M, d, device=device, dtype=torch.bfloat16)
     q = [torch.randn(d, device=device) for _ in range(2)]
     g = [torch.ones(d, device=device) for _ in range(2)]
     s0 = src.clone().requires_grad_(True)
-    chain = rk.FusedRouter(2, H, 1e-6).start(s0, q, g)
+    chain = rk.FusedRouter(2, H, 1e-6, config).start(s0, q, g)
     out = chain.route(2, chain.route(1, s0, q[0], g[0]) * 0.5 + 1.0, q[1], g[1])
     up = torch.randn_like(out)
     out.backward(up)

@@ -22,7 +22,8 @@ once: c, dw partials, each pair's da), then _chain_bwd_gather (s_{j-1} and every
 dg; and in extra programs the pair pass: alpha, dlogit and K's terms of site j's pairs, per pair with every head).
 Neighbouring sites share reads ("read sharing" blocks): a leading forward also runs site j+1's softmax over s_0..s_{j-1}
 and hands its fp32 state to site j+1, which adds only s_j; a leading gather also sums source j-2's terms over G_j..G_N,
-and site j-1's gather adds only G_{j-1}. Deterministic: every sum has a fixed order.
+and site j-1's gather adds only G_{j-1}. Deterministic: every sum has a fixed order. routing_gather.py holds another
+backward for the same forward, without the site pass (RoutingConfig.backward = "gather"; see its header).
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets; pair (j, n) is row j(j-1)/2 + n of P = N(N+1)/2): S, GB [N, M, d]
 sources, upstream gradients (activation dtype); fp32 R [N, M], W [N, d], LSE, C [N, H, M], DA, LG [P, H, M] (da, logit;
@@ -32,7 +33,7 @@ CUDA); > 2^31 elements per buffer; T = 1. Outside it a ValueError names the limi
 the launch settings: tile, warps and stages per kernel, tuned per width). Cost model: per (source, site) pair and
 channel the forward, the site pass and the gather each read 2 bytes (bf16), ~6 P d bytes per token (~14 for two backward
 reads and an fp32 read-modify-write per pair); a launch ~4 us per source it reads plus ~26-30 us (H200); eager, ~240 us
-of host time per site (RoutingChain._launch calls the compiled launchers directly). Measured times: BENCHMARKS.md.
+of host time per site (routing_config.Launcher calls the compiled launchers directly). Measured times: BENCHMARKS.md.
 """
 import weakref
 
@@ -44,10 +45,10 @@ try:
 except ImportError:  # the model falls back to the reference routing (model.py prints why)
     triton = None
 
-from routing_config import (DEFAULT, INTERPRET, TUNED_H200, RoutingConfig, _block_m, _split, announce,  # noqa: F401
-                            check_envelope, config_for, lead_schedule)
+from routing_config import (DEFAULT, INTERPRET, TUNED_H200, Launcher, RoutingConfig, _block_m, _split,  # noqa: F401
+                            announce, check_envelope, config_for, lead_schedule)
 
-# Triton >= 3.4 passes a compiled kernel's launcher every argument in signature order (what RoutingChain._launch uses)
+# Triton >= 3.4 passes a compiled kernel's launcher every argument in signature order (what routing_config.Launcher uses)
 DIRECT_OK = triton is not None and not INTERPRET and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 4)
 
 
@@ -327,10 +328,11 @@ if triton is not None:
         LSE, LG,    # [N, H, M] fp32 log-sum-exp (row j-1 written); [P, H, M] fp32 logits (if STORE_LOGITS)
         Q2, G2,     # [DM] the next site's q and g (read if LEAD)
         PACC, PML,  # [M, DM], [2, H, M] fp32 the next site's mix, max and denominator (LEAD writes, FOLLOW reads)
+        MIX,        # [N, M, DM] fp32 every site's output unrounded (row j-1 written if STORE_MIX)
         M, j, eps,  # tokens, this site (1..N), RMS eps
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, STORE_LOGITS: tl.constexpr,
-        LEAD: tl.constexpr, FOLLOW: tl.constexpr):
+        LEAD: tl.constexpr, FOLLOW: tl.constexpr, STORE_MIX: tl.constexpr):
         SPLIT: tl.constexpr = BLOCK_B > 0
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         slot = (j - 1).to(tl.int64) * M * DM
@@ -402,6 +404,10 @@ if triton is not None:
         tl.store(OUT + tile_a, _rounded(acc_a / l_i[:, None], OUT.dtype.element_ty), mask=mask_a)
         if SPLIT:
             tl.store(OUT + tile_b, _rounded(acc_b / l_i[:, None], OUT.dtype.element_ty), mask=mask_b)
+        if STORE_MIX:   # the unrounded output, for the backward's c = <G, out> (routing_gather.py)
+            tl.store(MIX + slot + tile_a, acc_a / l_i[:, None], mask=mask_a)
+            if SPLIT:
+                tl.store(MIX + slot + tile_b, acc_b / l_i[:, None], mask=mask_b)
         tl.store(LSE + ((j - 1) * H + h).to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
 
     @triton.jit
@@ -682,26 +688,27 @@ class RoutingChain:
         f32 = dict(dtype=torch.float32, device=device)
         self.S, self.R = torch.empty(N, M, d, dtype=dtype, device=device), torch.empty(N, M, **f32)
         self.W, self.LSE = torch.empty(N, d, **f32), torch.empty(N, H, M, **f32)
+        self.MIX = self.R   # a placeholder: the forward stores the unrounded output only for the gather backward
         if training:
-            P = N * (N + 1) // 2
-            self.GB = torch.empty(N, M, d, dtype=dtype, device=device)
-            self.DA, self.LG = torch.empty(P, H, M, **f32), torch.empty(P, H, M, **f32)   # da, logit; dlogit, alpha
-            self.C, self.KP = torch.empty(N, H, M, **f32), torch.empty(P, M, **f32)
-            self.PART = torch.empty(self.n_blocks, d, **f32)
-            gathers = [self.launch[k][0][0] // heads for k in ("gather", "gather_lead") if self.launch[k]]
-            self.K = max(1, min(cfg.reducers, self.n_blocks, *gathers))   # first-level dw reducers, >= 1 row each
-            self.PART2, self.TICKET = torch.empty(self.K, d, **f32), torch.zeros(heads, dtype=torch.int32, device=device)
+            self._backward_buffers(N, M, d, H, f32)
         fwd, gather = lead_schedule(N, cfg.lead_min)
-        self.bound = {}   # launch key -> (launcher, kernel handle, metadata, arguments, slots of the varying ones)
-        dev = torch.device(device)   # the launcher's stream is its device's (index None: the current device)
-        self.device = torch.cuda.current_device() if dev.index is None and DIRECT_OK and dev.type == "cuda" else dev.index
-        self._stream = triton.runtime.driver.active.get_current_stream if DIRECT_OK else None
+        self.launcher = Launcher(device, DIRECT_OK)
         self.fwd_lead = fwd if self.launch["fwd_lead"] else frozenset()
         self.gather_lead = gather if self.launch["gather_lead"] and training else frozenset()
         # one lead state at a time (the forward's is used up before the backward); else unused placeholders
         self.PACC, self.PML, self.PK = (torch.empty(M, d, **f32), torch.empty(2, H, M, **f32), torch.empty(M, **f32)) \
             if self.fwd_lead or self.gather_lead else (self.R,) * 3
         self.reset()
+
+    def _backward_buffers(self, N, M, d, H, f32):
+        P = N * (N + 1) // 2
+        self.GB = torch.empty(N, M, d, dtype=self.dtype, device=self.S.device)
+        self.DA, self.LG = torch.empty(P, H, M, **f32), torch.empty(P, H, M, **f32)   # da, logit; dlogit, alpha
+        self.C, self.KP = torch.empty(N, H, M, **f32), torch.empty(P, M, **f32)
+        self.PART = torch.empty(self.n_blocks, d, **f32)
+        gathers = [self.launch[k][0][0] // H for k in ("gather", "gather_lead") if self.launch[k]]
+        self.K = max(1, min(self.config.reducers, self.n_blocks, *gathers))   # first-level dw reducers, >= 1 row each
+        self.PART2, self.TICKET = torch.empty(self.K, d, **f32), torch.zeros(H, dtype=torch.int32, device=self.S.device)
 
     def _geometry(self, kernel, setting):
         """(grid, BLOCK_M, warps, stages, column or head constexprs) of a chain kernel's launches."""
@@ -716,39 +723,13 @@ class RoutingChain:
         bm = _block_m(tile, lanes, self.config)
         return (triton.cdiv(self.M, bm) * self.H,), bm, warps, stages, dict(D_A=d_a, BLOCK_B=block_b)
 
-    def _launch(self, kernel, key, grid, warps, fresh, varying, fixed):
-        """kernel[grid](**fixed(), **varying, num_warps=warps); fixed() builds the arguments that stay the same for the
-        chain's life, `varying` the rest (same order at every call), `fresh` its tensors. Triton's own launch binds and
-        specialises every argument at each call, and a chain launches a few specialisations 3N times per pass: so a
-        key's first launch goes through Triton and keeps the compiled kernel and its arguments in signature order, and
-        later launches fill in `varying` and call the launcher (eager chain: 0.62-0.69x the wall time on an H200 host).
-        The fresh tensors' dtypes join the key; one off 16-byte alignment takes Triton's path (it specialises on it)."""
-        key = (key, *[t.dtype for t in fresh])
-        aligned = not any([t.data_ptr() & 15 for t in fresh])
-        bound = self.bound.get(key) if aligned and self.direct else None
-        if bound is not None:
-            launcher, function, meta, args, slots = bound
-            for i, v in zip(slots, varying.values()):
-                args[i] = v
-            launcher(*grid, *(1,) * (3 - len(grid)), self._stream(self.device), function, meta, None, None, None, *args)
-            for i in slots:   # hold no tensor past its launch
-                args[i] = None
-            return
-        args = {**fixed(), **varying}
-        compiled = kernel[grid](**args, num_warps=warps)
-        if aligned and self.direct:
-            compiled, names = getattr(compiled, "result", lambda: compiled)(), kernel.arg_names
-            self.bound[key] = (compiled.run, compiled.function, compiled.packed_metadata, [args[n] for n in names],
-                               [names.index(k) for k in varying])
-            for i in self.bound[key][4]:
-                self.bound[key][3][i] = None
-
     def reset(self, queries=None, gains=None):
-        """Ready for a new pass; queries, gains: every site's q and g, which leading forwards read (None: no leads)."""
-        self.queries, self.gains = queries, gains
-        hooks = triton.knobs.runtime   # launch hooks (a profiler's) need Triton's own launch path
-        self.direct = self.config.direct and DIRECT_OK and all(
-            h is None or getattr(h, "calls", None) == [] for h in (hooks.launch_enter_hook, hooks.launch_exit_hook))
+        """Ready for a new pass; queries, gains: every site's q and g, which leading forwards read (None: no leads) and
+        the gather backward differentiates at site 1."""
+        self.live = queries, gains
+        self.queries, self.gains = (None, None) if queries is None else ([q.detach() for q in queries],
+                                                                          [g.detach() for g in gains])
+        self.launcher.refresh(self.config.direct)
         self.following = False   # the previous launch (forward: site j-1; backward: gather j+1) led this one
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
@@ -761,7 +742,13 @@ class RoutingChain:
         """Site j: new_source (B, T, d) is s_{j-1}, q and g site j's parameters; returns its routed (B, T, d) input."""
         x = new_source.to(self.dtype).reshape(-1, self.d).contiguous()
         grad = self.training and torch.is_grad_enabled()
-        return (_RouteSite.apply(x, q, g, self, j) if grad else self.forward_site(j, x, q, g)).view(new_source.shape)
+        return (_RouteSite.apply(x, q, g, self, j, *self.deferred(j)) if grad else self.forward_site(j, x, q, g)).view(
+            new_source.shape)
+
+    def deferred(self, j):
+        """Parameters whose gradients site j's backward returns besides its own q and g: none here (routing_gather's
+        chain returns every site's at site 1)."""
+        return ()
 
     def forward_site(self, j, new_source, q, g):
         if self.next_bwd is not None:
@@ -773,28 +760,31 @@ class RoutingChain:
         lead = j in self.fwd_lead and self.queries is not None and not self.following
         grid, bm, warps, stages, parts = self.launch["fwd_lead" if lead else "fwd"]
         q2, g2 = (self.queries[j], self.gains[j]) if lead else (q, g)   # site j+1's q and g
-        self._launch(_chain_fwd, ("fwd", lead, self.following), grid, warps, (new_source, q, g, q2, g2),
+        self.launcher.launch(_chain_fwd, ("fwd", lead, self.following), grid, warps, (new_source, q, g, q2, g2),
                      dict(NEW=new_source, Q=q, G=g, OUT=out, Q2=q2, G2=g2, j=j), lambda: dict(
             S=self.S, R=self.R, W=self.W, LSE=self.LSE, LG=self.LG if self.training else self.LSE, PACC=self.PACC,
-            PML=self.PML, M=self.M, eps=self.eps, DM=self.d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
+            PML=self.PML, MIX=self.MIX, M=self.M, eps=self.eps, DM=self.d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
             BLOCK_C=min(1024, triton.next_power_of_2(self.d)), STAGES=stages, STORE_LOGITS=self.stored_logits, LEAD=lead,
-            FOLLOW=self.following))
+            FOLLOW=self.following, STORE_MIX=self.MIX is not self.R))
         self.next_fwd, self.following = j + 1, lead
         if j == self.N:
             self.next_bwd, self.following = self.N, False
         return out
 
-    def backward_site(self, j, grad_out, q, g):
+    def _expect_backward(self, j):
         if self.next_bwd != j:
             expected = "none (the backward already finished)" if self.next_bwd == 0 else f"site {self.next_bwd}"
             raise RuntimeError(f"fused routing: backward reached site {j}, expected {expected}. Backward must run once, in "
                                "exact reverse site order, over the whole chain: a loss built from an intermediate routing "
                                "output, a second backward through one graph, or a routing call inside activation "
                                "checkpointing breaks it. Use routing_impl='reference' for such graphs")
+
+    def backward_site(self, j, grad_out, q, g):
+        self._expect_backward(j)
         M, d, H = self.M, self.d, self.H
         grad_out = grad_out.to(self.dtype).contiguous()   # (no copy when it already is)
         grid, bm, warps, stages, parts = self.launch["site"]
-        self._launch(_chain_bwd_site, ("site",), grid, warps, (grad_out,), dict(GIN=grad_out, j=j), lambda: dict(
+        self.launcher.launch(_chain_bwd_site, ("site",), grid, warps, (grad_out,), dict(GIN=grad_out, j=j), lambda: dict(
             S=self.S, R=self.R, W=self.W, LSE=self.LSE, GB=self.GB, LG=self.LG, DA=self.DA, C=self.C, PART=self.PART, M=M,
             DM=d, H=H, D=self.D, **parts, BLOCK_M=bm, STAGES=stages, LOGITS_STORED=self.stored_logits))
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
@@ -802,7 +792,7 @@ class RoutingChain:
         lead = j in self.gather_lead and not self.following
         grid, bm, warps, stages, parts = self.launch["gather_lead" if lead else "gather"]
         (pair_blocks,), bmp, _, _, pair_parts = self.launch["pairs"]   # + the pair pass of pairs (j, 0 .. j-2-lead)
-        self._launch(_chain_bwd_gather, ("gather", lead, self.following), (grid[0] + pair_blocks * max(0, j - 1 - lead),),
+        self.launcher.launch(_chain_bwd_gather, ("gather", lead, self.following), (grid[0] + pair_blocks * max(0, j - 1 - lead),),
                      warps, (q, g), dict(Q=q, G=g, DS=ds, DQG=dqg, j=j), lambda: dict(
             S=self.S, R=self.R, W=self.W, GB=self.GB, PART=self.PART, PART2=self.PART2, TICKET=self.TICKET, DL=self.DA,
             AL=self.LG, KP=self.KP, LSE=self.LSE, C=self.C, PACC=self.PACC, PK=self.PK, M=M, n_sites=self.N,
@@ -814,7 +804,7 @@ class RoutingChain:
 
 class _RouteSite(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, new_source, q, g, chain, j):
+    def forward(ctx, new_source, q, g, chain, j, *deferred):
         out = chain.forward_site(j, new_source, q, g)
         ctx.chain, ctx.j = chain, j
         ctx.save_for_backward(q, g)   # (saved: activation checkpointing around a routing call then reruns it, and fails)
@@ -825,7 +815,8 @@ class _RouteSite(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return *ctx.chain.backward_site(ctx.j, grad_out, *ctx.saved_tensors), None, None
+        ds, dq, dg, *deferred = ctx.chain.backward_site(ctx.j, grad_out, *ctx.saved_tensors)
+        return ds, dq, dg, None, None, *deferred
 
 
 class FusedRouter:
@@ -845,6 +836,10 @@ class FusedRouter:
                                "routing_impl='reference'")
         elif c is None or (c.M, c.d, c.dtype, c.S.device) != (B * T, d, x.dtype, x.device):
             self.chain = None   # free the old buffers before allocating new ones
-            c = self.chain = RoutingChain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True, self.config)
-        c.reset(*(() if queries is None else ([q.detach() for q in queries], [g.detach() for g in gains])))
+            if (self.config or config_for(d, self.H)).backward == "gather":
+                from routing_gather import GatherChain as chain   # (it imports this module)
+            else:
+                chain = RoutingChain
+            c = self.chain = chain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True, self.config)
+        c.reset(queries, gains)
         return c

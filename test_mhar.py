@@ -769,13 +769,14 @@ def test_fused_routing_announces_its_config():
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not rk.DIRECT_OK, reason="direct launches: CUDA and Triton >= 3.4 only")
-def test_fused_direct_launches_match_tritons():
-    """After a launch key's first launch, RoutingChain._launch calls the compiled kernel's launcher itself: the chain's
+@pytest.mark.parametrize("backward", ["site", "gather"])
+def test_fused_direct_launches_match_tritons(backward):
+    """After a launch key's first launch, routing_config.Launcher calls the compiled kernel's launcher itself: the chain's
     output and every gradient are bitwise those of Triton's own launch path (leading and following sites included)."""
     N, B, T, d, H = 13, 2, 40, 128, 4
     src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=5)
-    runs = [chain_grads("fused", src0, qs, gs, shift, up, H, torch.bfloat16, rk.RoutingConfig(direct=direct, lead_min=2))
-            for direct in (False, True)]
+    runs = [chain_grads("fused", src0, qs, gs, shift, up, H, torch.bfloat16,
+                        rk.RoutingConfig(direct=direct, lead_min=2, backward=backward)) for direct in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -821,6 +822,54 @@ def test_fused_routing_shared_reads(least, dtype):
                                   lambda j, x: torch.tanh(x)).detach())
         assert chain.fwd_lead == (fwd if cfg is config else set())
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+GATHER = rk.RoutingConfig(max_block_m=16, backward="gather")
+
+
+@pytest.mark.parametrize("N,T,d,H", [(5, 19, 96, 4), (4, 7, 40, 1), (6, 5, 112, 4), (3, 9, 48, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gather_backward_matches_reference(N, T, d, H, dtype):
+    """The gather backward (routing_gather.py: no site pass, dw by a product over the tokens, every dq and dg at site 1):
+    out and every gradient against the reference; heads of two column parts (24 = 16 + 8, 40 = 32 + 8, 28 as 16 + 16
+    masked), of one (16), a single head, three heads (padded to 4)."""
+    check_fused_chain(N, 2, T, d, H, dtype, GATHER)
+
+
+@pytest.mark.parametrize("least", [1, 3])   # 1: every other site leads; 3: some lead, some run alone
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gather_backward_shared_reads(least, dtype):
+    """Read sharing in the gather backward: a leading gather also sums the previous source's terms on every gradient
+    tile it loads and hands them on; the next site's gather starts from them and reads only its own gradient."""
+    config = rk.RoutingConfig(max_block_m=16, backward="gather", lead_min=least)
+    check_fused_chain(7, 2, 19, 112, 4, dtype, config)
+    check_fused_chain(6, 2, 5, 40, 1, dtype, config)
+    x = torch.randn(2, 3, 112, device=DEVICE, requires_grad=True)
+    qs, gs = [torch.zeros(112, device=DEVICE)] * 7, [torch.ones(112, device=DEVICE)] * 7
+    chain = rk.FusedRouter(7, 4, 1e-6, config).start(x, qs, gs)
+    assert chain.gather_lead == ({2, 4, 6} if least == 1 else {2, 4}) and chain.gather_launch[True][0] >= 1
+
+
+@pytest.mark.parametrize("mode,H", [("mhar", 2), ("attnres", None)])
+def test_fused_gather_backward_in_a_model(mode, H):
+    """The gather backward in a model, with route_scale 0.5 (its gains are not leaves): logits and every parameter
+    gradient match the reference, and a second backward gives bitwise the same gradients."""
+    fused = fused_model_vs_reference(residual=mode, route_heads=H, route_scale=0.5, routing_config=GATHER)
+    assert type(fused._router.chain).__name__ == "GatherChain"
+    idx, grads = torch.randint(0, 96, (2, 19), device=DEVICE), []
+    for _ in range(2):
+        fused.zero_grad()
+        fused(idx, idx)[1].backward()
+        grads.append([p.grad.clone() for p in fused.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_fused_gather_backward_needs_every_query():
+    """Site 1's backward returns every site's dq and dg, so a chain started without them refuses the first site."""
+    x = torch.randn(1, 3, 32, device=DEVICE, requires_grad=True)
+    chain = rk.FusedRouter(2, 2, 1e-6, GATHER).start(x)
+    with pytest.raises(RuntimeError, match=r"start the chain with every site's queries and gains"):
+        chain.route(1, x, torch.zeros(32, device=DEVICE, requires_grad=True), torch.ones(32, device=DEVICE))
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not os.environ.get("MHAR_SLOW_TESTS"),

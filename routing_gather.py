@@ -1,0 +1,246 @@
+"""
+The routing chain's backward without a site pass (RoutingConfig.backward = "gather"): routing_kernel.RoutingChain's
+forward, another backward. Same math as routing_kernel.py's header; what changes is where each term is made.
+
+Site j's backward there reads its sources twice: a site pass (c_j, dw_j, every pair's da) and the gather of source j-1
+(every later site's upstream gradient). Here the gather alone, one launch per site: its program owns a token block of
+source n = j-1 over the whole width (every head: K's sum over heads stays in the program) and visits the sites
+jp = j..N that read it, each pair's terms recomputed beside s_n from what the forward and the earlier gathers left:
+    logit = r_n <w_jp[h], s_n[h]>,  alpha = exp(logit - lse_jp),  da = <G_jp[h], s_n[h]>,  dlogit = alpha (da - c_jp)
+where c_jp[h] = sum_n alpha da = <G_jp[h], out_jp[h]>, made once at site jp's own gather from its upstream gradient and
+its unrounded output (the forward keeps it in fp32: the bf16 output gave 1.1-1.9x the reference's gradient error).
+dw_jp = sum_n sum_tokens dlogit r_n s_n[h] spans every source of site jp, so it is final only when the gather of s_0
+ends: each gather stores its pairs' dlogit r_n, and a matrix product over the tokens adds source n's terms to every
+later site's dw (fp32, summed in a fixed order at the end); site 1's backward returns every site's dq and dg.
+Read sharing as there: a leading gather also sums source n-1's terms on each gradient tile and hands them on.
+Cost model: per (source, site) pair and channel the forward's 2 bytes (bf16) and the gather's 2, against 6 with the site
+pass, less what sharing saves; per site ~10 more (the fp32 output written and read, s_n read again for dw). Memory:
+the fp32 outputs [N, M, d] and dw's per-pair partial terms instead of the site pass's per-pair logits and K terms.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from routing_config import INTERPRET, _block_m, _split
+from routing_kernel import RoutingChain, _rounded
+
+
+@triton.jit
+def _part(rows64, rmask, C0: tl.constexpr, BW: tl.constexpr, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+          BH: tl.constexpr):
+    """Columns [C0, C0 + BW) of every head (masked to D): offsets and mask of a [BLOCK_M, BH, BW] tile of an [M, DM]
+    matrix, and of the [BH, BW] tile of a row of W."""
+    heads, cols = tl.arange(0, BH), C0 + tl.arange(0, BW)
+    woff, wmask = (heads * D)[:, None] + cols[None, :], (heads < H)[:, None] & (cols < D)[None, :]
+    return rows64[:, None, None] * DM + woff[None, :, :], rmask[:, None, None] & wmask[None, :, :], woff, wmask
+
+
+@triton.jit
+def _load(X, base, off_a, mask_a, off_b, mask_b, SPLIT: tl.constexpr):
+    """Both column parts of a tile at X + base, in fp32 (part b = part a when not SPLIT)."""
+    x_a = tl.load(X + base + off_a, mask=mask_a, other=0.0).to(tl.float32)
+    x_b = x_a
+    if SPLIT:
+        x_b = tl.load(X + base + off_b, mask=mask_b, other=0.0).to(tl.float32)
+    return x_a, x_b
+
+
+@triton.jit
+def _hdot(x_a, y_a, x_b, y_b, SPLIT: tl.constexpr):
+    """Per-head sums of x * y over both parts: [BLOCK_M, BH]."""
+    out = tl.sum(x_a * y_a, axis=2)
+    if SPLIT:
+        out += tl.sum(x_b * y_b, axis=2)
+    return out
+
+
+@triton.jit
+def _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM: tl.constexpr, H: tl.constexpr,
+          SPLIT: tl.constexpr):
+    """Site jp's w (both parts, [1, BH, part]) and log-sum-exp ([BLOCK_M, BH])."""
+    w_a, w_b = _load(W, (jp - 1) * DM, woff_a, wmask_a, woff_b, wmask_b, SPLIT)
+    return w_a[None, :, :], w_b[None, :, :], tl.load(LSE + (jp - 1) * H * M64 + hoff, mask=hmask, other=0.0)
+
+
+@triton.jit
+def _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row, hoff, hmask, M64,
+          H: tl.constexpr, SPLIT: tl.constexpr):
+    """Pair (site jp, source n): acc += alpha G, u += dlogit w, k += sum_h dlogit logit; dlogit r_n stored as DLR row
+    `row` (the dw product's operand). s, g: [BLOCK_M, BH, part] fp32 tiles, r: [BLOCK_M], c: [BLOCK_M, BH]."""
+    logit = r[:, None] * _hdot(s_a, w_a, s_b, w_b, SPLIT)
+    alpha = tl.exp(logit - lse)
+    dlogit = alpha * (_hdot(g_a, s_a, g_b, s_b, SPLIT) - c)
+    tl.store(DLR + row * H * M64 + hoff, dlogit * r[:, None], mask=hmask)
+    acc_a, u_a = acc_a + alpha[:, :, None] * g_a, u_a + dlogit[:, :, None] * w_a
+    if SPLIT:
+        acc_b, u_b = acc_b + alpha[:, :, None] * g_b, u_b + dlogit[:, :, None] * w_b
+    return acc_a, u_a, acc_b, u_b, k + tl.sum(dlogit * logit, axis=1)
+
+
+@triton.jit
+def _zeros(BLOCK_M: tl.constexpr, BH: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT: tl.constexpr):
+    """Two zero accumulators per column part (part b's = part a's when not SPLIT) and a zero per token."""
+    a, b = tl.zeros((BLOCK_M, BH, D_A), tl.float32), tl.zeros((BLOCK_M, BH, D_A), tl.float32)
+    c, d = a, b
+    if SPLIT:
+        c, d = tl.zeros((BLOCK_M, BH, BLOCK_B), tl.float32), tl.zeros((BLOCK_M, BH, BLOCK_B), tl.float32)
+    return a, b, c, d, tl.zeros((BLOCK_M,), tl.float32)
+
+
+@triton.jit
+def _store_ds(DS, acc, u, s, r, k, inv_dm, off, mask):
+    """ds_n = sum_j alpha G_j + r u - (r^2 / d) K s_n on one column part."""
+    ds = acc + r[:, None, None] * u - (r * r * k * inv_dm)[:, None, None] * s
+    tl.store(DS + off, _rounded(ds, DS.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["j"])
+def _gather_bwd(
+    S, R, W, LSE, MIX,  # the forward's: [N, M, DM] sources, [N, M] RMS factors, [N, DM] w, [N, H, M] lse, [N, M, DM] mix
+    GIN, GB, C,         # [M, DM] site j's upstream gradient; [N, M, DM] every site's (slot j-1 written); [N, H, M] c
+    DLR, DS,            # [P, H, M] fp32 dlogit r_n per pair, source-major (pairs (j..N, n) written); [M, DM] ds_n
+    PACC, PK,           # [M, DM], [M] fp32 source n-1's sums over sites j..N (LEAD writes, site j-1's FOLLOW reads)
+    M, j, N, inv_dm,
+    DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, STAGES: tl.constexpr, LEAD: tl.constexpr, FOLLOW: tl.constexpr):
+    # a head is held as one or two power-of-two column parts (routing_config._split), every head in one program
+    SPLIT: tl.constexpr = BLOCK_B > 0
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask, rows64, M64 = rows < M, rows.to(tl.int64), M.to(tl.int64)
+    off_a, mask_a, woff_a, wmask_a = _part(rows64, rmask, 0, D_A, DM, H, D, BH)
+    off_b, mask_b, woff_b, wmask_b = off_a, mask_a, woff_a, wmask_a
+    if SPLIT:
+        off_b, mask_b, woff_b, wmask_b = _part(rows64, rmask, D_A, BLOCK_B, DM, H, D, BH)
+    heads = tl.arange(0, BH)
+    hoff, hmask = (heads * M).to(tl.int64)[None, :] + rows64[:, None], rmask[:, None] & (heads < H)[None, :]
+    n = j - 1   # the source this gather owns
+    slot = n * M64 * DM
+    s_a, s_b = _load(S, slot, off_a, mask_a, off_b, mask_b, SPLIT)
+    r = tl.load(R + n * M64 + rows64, mask=rmask, other=0.0)
+    row0 = n * N - n * (n - 1) // 2 - j   # source n's pairs: site jp at row row0 + jp
+    # site j's own terms: its upstream gradient, kept for the gathers of older sources, and c_j = <G_j, out_j>
+    g_a, g_b = _load(GIN, 0, off_a, mask_a, off_b, mask_b, SPLIT)
+    tl.store(GB + slot + off_a, g_a.to(GB.dtype.element_ty), mask=mask_a)   # (exact: G_j is in GB's dtype)
+    if SPLIT:
+        tl.store(GB + slot + off_b, g_b.to(GB.dtype.element_ty), mask=mask_b)
+    mix_a, mix_b = _load(MIX, slot, off_a, mask_a, off_b, mask_b, SPLIT)
+    c = _hdot(g_a, mix_a, g_b, mix_b, SPLIT)
+    tl.store(C + n * H * M64 + hoff, c, mask=hmask)
+    acc_a, u_a, acc_b, u_b, k = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
+    last = N
+    # -- read sharing: FOLLOW starts from the sums site j+1's gather left for this source over sites j+1..N (r u folded
+    # into acc) and reads only G_j; LEAD also sums source n-1's terms on every gradient tile it loads
+    if FOLLOW:
+        acc_a, acc_b = _load(PACC, 0, off_a, mask_a, off_b, mask_b, SPLIT)
+        k, last = tl.load(PK + rows64, mask=rmask, other=0.0), j
+    s2_a, s2_b, r2, row2 = s_a, s_b, r, row0   # source n-1's tiles and sums (placeholders unless LEAD)
+    acc2_a, u2_a, acc2_b, u2_b, k2 = acc_a, u_a, acc_b, u_b, k
+    if LEAD:
+        s2_a, s2_b = _load(S, slot - M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
+        r2, row2 = tl.load(R + (n - 1) * M64 + rows64, mask=rmask, other=0.0), (n - 1) * N - (n - 1) * (n - 2) // 2 - n
+        acc2_a, u2_a, acc2_b, u2_b, k2 = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
+    # -- end of read sharing setup
+    w_a, w_b, lse = _site(W, LSE, j, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
+    acc_a, u_a, acc_b, u_b, k = _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + j,
+                                      hoff, hmask, M64, H, SPLIT)
+    if LEAD:
+        acc2_a, u2_a, acc2_b, u2_b, k2 = _pair(acc2_a, u2_a, acc2_b, u2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse,
+                                               DLR, row2 + j, hoff, hmask, M64, H, SPLIT)
+    for jp in tl.range(j + 1, last + 1, num_stages=STAGES):   # every later site that reads source n
+        g_a, g_b = _load(GB, (jp - 1) * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
+        c = tl.load(C + (jp - 1) * H * M64 + hoff, mask=hmask, other=0.0)
+        w_a, w_b, lse = _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
+        acc_a, u_a, acc_b, u_b, k = _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR,
+                                          row0 + jp, hoff, hmask, M64, H, SPLIT)
+        if LEAD:   # read sharing: the same gradient tile, the previous source
+            acc2_a, u2_a, acc2_b, u2_b, k2 = _pair(acc2_a, u2_a, acc2_b, u2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b,
+                                                   lse, DLR, row2 + jp, hoff, hmask, M64, H, SPLIT)
+    if LEAD:   # read sharing: source n-1's sums, handed to site j-1's gather
+        tl.store(PACC + off_a, acc2_a + r2[:, None, None] * u2_a, mask=mask_a)
+        if SPLIT:
+            tl.store(PACC + off_b, acc2_b + r2[:, None, None] * u2_b, mask=mask_b)
+        tl.store(PK + rows64, k2, mask=rmask)
+    _store_ds(DS, acc_a, u_a, s_a, r, k, inv_dm, off_a, mask_a)
+    if SPLIT:
+        _store_ds(DS, acc_b, u_b, s_b, r, k, inv_dm, off_b, mask_b)
+
+
+@triton.jit
+def _dw_terms(DLR, S, PDW, row0, n, J, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+              BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Source n's terms of dw for sites n+1 .. n+J over one split of the tokens: PDW[split, row0 + i, cols] = sum over
+    the split's tokens t of DLR[row0 + i, head, t] * s_n[t, cols] (the dlogit r_n rows times s_n, fp32 exact)."""
+    cb, jb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h, c = cb // tl.cdiv(D, BLOCK_C), (cb % tl.cdiv(D, BLOCK_C)) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols, cmask = h * D + c, c < D   # a column block of head h
+    i = jb * BLOCK_J + tl.arange(0, BLOCK_J)
+    M64 = M.to(tl.int64)
+    acc = tl.zeros((BLOCK_J, BLOCK_C), tl.float32)
+    t0 = split * tokens_per_split
+    for t in range(t0, tl.minimum(t0 + tokens_per_split, M), BLOCK_T):
+        ts = t + tl.arange(0, BLOCK_T)
+        x = tl.load(DLR + ((row0 + i) * H + h).to(tl.int64)[:, None] * M64 + ts[None, :],
+                    mask=(i < J)[:, None] & (ts < M)[None, :], other=0.0)
+        y = tl.load(S + n * M64 * DM + ts.to(tl.int64)[:, None] * DM + cols[None, :],
+                    mask=(ts < M)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(x, y, acc, input_precision="ieee")
+    tl.store(PDW + (split * P1 + row0 + i).to(tl.int64)[:, None] * DM + cols[None, :], acc,
+             mask=(i < J)[:, None] & cmask[None, :])
+
+
+class GatherChain(RoutingChain):
+    """RoutingChain with the gather backward: the forward also keeps each site's unrounded output; the backward is one
+    launch per site plus dw's product, and site 1's returns every site's dq and dg (start() must be given them)."""
+
+    def _backward_buffers(self, N, M, d, H, f32):
+        self.GB = torch.empty(N, M, d, dtype=self.dtype, device=self.S.device)
+        self.MIX, self.C = torch.empty(N, M, d, **f32), torch.empty(N, H, M, **f32)
+        self.DLR = torch.empty(N * (N + 1) // 2, H, M, **f32)
+        # dw's product: a program's (sites, tokens a step, columns), and token splits. Each program reads its DLR rows
+        # and s_n columns once: wider blocks re-read less, more splits keep the GPU busy. PDW [splits, P + 1, d] holds
+        # every pair's partial terms (row P stays 0), summed once at the end: site jp's pairs are rows SITE_PAIRS[jp-1].
+        P = N * (N + 1) // 2
+        self.dw_launch = (32, 64 if INTERPRET else 32, min(64, triton.next_power_of_2(self.D)), min(32, triton.cdiv(M, 512)))
+        self.PDW = torch.zeros(self.dw_launch[3], P + 1, d, **f32)
+        rows = [[n * N - n * (n - 1) // 2 + jp - n - 1 for n in range(jp)] + [P] * (N - jp) for jp in range(1, N + 1)]
+        self.SITE_PAIRS = torch.tensor(rows, device=self.S.device)
+        self.LG = self.LSE   # (a placeholder: the forward stores no logits)
+        # a program holds every head of its tokens: the gather (and leading gather) setting's tile over the heads' width
+        bh, (d_a, block_b, lanes) = triton.next_power_of_2(H), _split(self.D)   # (160 = 128 + 32, not 256 padded)
+        shape = dict(DM=d, H=H, D=self.D, BH=bh, D_A=d_a, BLOCK_B=block_b)
+        self.gather_launch = {lead: (_block_m(setting[0], bh * lanes, self.config), *setting[1:], shape)
+                              for lead, setting in ((False, self.config.gather), (True, self.config.gather_lead)) if setting}
+        self.stored_logits = False   # (the gather recomputes each pair's logit)
+
+    def deferred(self, j):
+        if self.live[0] is None:
+            raise RuntimeError("fused routing: the gather backward returns every site's dq and dg at site 1: start the "
+                               "chain with every site's queries and gains (FusedRouter.start(x, queries, gains))")
+        return (*self.live[0], *self.live[1]) if j == 1 else ()
+
+    def backward_site(self, j, grad_out, q, g):
+        self._expect_backward(j)
+        M, d, H, N = self.M, self.d, self.H, self.N
+        grad_out = grad_out.to(self.dtype).contiguous()
+        ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
+        lead = j in self.gather_lead and not self.following
+        bm, warps, stages, shape = self.gather_launch[lead]
+        self.launcher.launch(_gather_bwd, ("gather_bwd", lead, self.following), (triton.cdiv(M, bm),), warps,
+                             (grad_out, ds), dict(GIN=grad_out, DS=ds, j=j), lambda: dict(
+            S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, GB=self.GB, C=self.C, DLR=self.DLR, PACC=self.PACC,
+            PK=self.PK, M=M, N=N, inv_dm=1.0 / d, **shape, BLOCK_M=bm, STAGES=stages, LEAD=lead, FOLLOW=self.following))
+        # source n's terms of dw for sites j..N: sum over tokens of (dlogit r_n) s_n per head, fp32, per token split
+        n, J = j - 1, N - j + 1
+        bj, bt, bc, splits = self.dw_launch
+        self.launcher.launch(_dw_terms, ("dw",), (H * triton.cdiv(self.D, bc), triton.cdiv(J, bj), splits), 4, (), dict(
+            row0=n * N - n * (n - 1) // 2, n=n, J=J), lambda: dict(
+            DLR=self.DLR, S=self.S, PDW=self.PDW, M=M, tokens_per_split=triton.cdiv(triton.cdiv(M, splits), bt) * bt,
+            P1=self.PDW.size(1), DM=d, H=H, D=self.D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc))
+        self.next_bwd, self.following = j - 1, lead
+        if j > 1:
+            return ds, None, None
+        # the last site: every pair's terms are in, so dw_j = the sum over splits, then over site j's pairs (fixed order)
+        dw = self.PDW.sum(0)[self.SITE_PAIRS].sum(1)   # [N, d]
+        queries, gains = self.live
+        dq, dg = dw * torch.stack(gains).float(), dw * torch.stack(queries).float()
+        return ds, None, None, *[x.to(q.dtype) for x, q in zip(dq, queries)], *[x.to(g.dtype) for x, g in zip(dg, gains)]
