@@ -26,7 +26,8 @@ sublayer between sites), fused against the reference, at the paper's Table 5 sha
 correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the 6-byte model,
 per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --tune / --tune-train search the
 launch settings (routing_kernel.RoutingConfig), --check-large checks offsets past 2^31 elements, --delta times the
-per-call kernels at an 8B delta model's shape. See `python bench.py routing -h`.
+per-call kernels at an 8B delta model's shape, --authors=PATH and --peers=fla,liger time ours beside the authors'
+kernel and the single-head kernels of fla-core and Liger-Kernel (when installed). See `python bench.py routing -h`.
 
 3. `python bench.py generate`: tokens/s of GPT.generate with and without the KV cache and its CUDA-graphed step.
 
@@ -400,8 +401,9 @@ def run_chain(route_site, source0, n_sites, sublayer):
 def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=None, seed=0, authors=None, blocks=None):
     """A closure running one chain forward + backward (bf16 sources, the sublayer x + shift: one add per site): impl
     "fused" (routing_kernel.FusedRouter), "authors" (the authors' fused kernel, `authors` its module: load_authors),
-    else the reference route_fn over the stacked history. blocks = n: block routing (model.BlockDepthHistory over the
-    N - 1 sublayers in n blocks), per site route_stack (fused) or route_fn."""
+    "fla" / "liger" (a single-head peer, `authors` its routing call: load_peers; H must be 1), else the reference
+    route_fn over the stacked history. blocks = n: block routing (model.BlockDepthHistory over the N - 1 sublayers in n
+    blocks), per site route_stack (fused) or route_fn."""
     gen = torch.Generator(device=device).manual_seed(seed)
     src = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
     qs = [(torch.randn(d, device=device, generator=gen) * 0.5).requires_grad_(True) for _ in range(N)]
@@ -423,6 +425,11 @@ def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=Non
             ctx = authors.MHARFusedContext(N, src)
             out = run_chain(lambda j, x: authors._FusedMHARFn.apply(x, qs[j - 1], gs[j - 1], ctx, H, 1e-6), src, N,
                             lambda j, x: x + shift)
+        elif impl in PEERS:   # single head: query q, key-norm weight g, as ours at H = 1; fla a list, Liger a stack
+            hist = []
+            call = (lambda j: authors(qs[j - 1], tuple(hist), gs[j - 1], rms_eps=1e-6)) if impl == "fla" else \
+                (lambda j: authors.apply(torch.stack(hist), qs[j - 1], gs[j - 1], 1e-6))
+            out = run_chain(lambda j, x: hist.append(x) or call(j), src, N, lambda j, x: x + shift)
         else:
             hist = []
             out = run_chain(lambda j, x: hist.append(x) or route_fn(torch.stack(hist), qs[j - 1], gs[j - 1], H), src, N,
@@ -578,24 +585,50 @@ def load_authors(path):
     return module
 
 
-def side_by_side(authors, device, copy_bw, rounds=3):
-    """Our chain and the authors' on the same inputs in this process, at every CHAIN_SHAPES shape: eager wall time
-    (the two timed alternately, `rounds` times each, medians), CUDA-graph GPU time, peak memory, and the fraction of
-    the bandwidth bound each reaches (3 reads per source-site pair and channel at this run's copy bandwidth)."""
+# the single-head peers bench.py routing --peers can time: package, module, routing call, how to install it
+PEERS = {"fla": ("fla-core", "fla.ops.attnres", "fused_attnres"),
+         "liger": ("liger-kernel", "liger_kernel.ops.attn_res", "LigerAttnResFunction")}
+
+
+def load_peers(names):
+    """The routing calls of the single-head peers named (comma-separated), from the packages the user installed: this
+    repository neither requires nor ships them."""
+    import importlib
+    peers, unknown = {}, [name for name in names.split(",") if name not in PEERS]
+    if unknown:
+        sys.exit(f"bench.py routing: --peers={names}: unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
+    for name in names.split(","):
+        package, module, call = PEERS[name]
+        try:
+            peers[name] = getattr(importlib.import_module(module), call)
+        except ImportError as e:
+            sys.exit(f"bench.py routing: --peers={name}: cannot import {module} ({e}); pip install {package}, or leave "
+                     f"{name} out")
+    return peers
+
+
+def side_by_side(others, device, copy_bw, rounds=3):
+    """Our chain and others on the same inputs in this process, at every CHAIN_SHAPES shape: eager wall time (timed
+    alternately, `rounds` times each, medians), CUDA-graph GPU time, peak memory, the fraction of the bandwidth bound
+    each reaches (3 reads per source-site pair and channel at this run's copy bandwidth), and each one's output against
+    the reference chain's. others: {"authors": their module} (MHAR at each shape's H) or single-head peers
+    {"fla": call, "liger": call} (load_peers; every chain then at H = 1)."""
     from triton.testing import do_bench
     rows = []
     for name, L, d, H, B, T in CHAIN_SHAPES:
-        N = 2 * L + 1
+        N, H = 2 * L + 1, H if "authors" in others else 1
         bound_ms = 3 * N * (N + 1) // 2 * B * T * d * 2 / copy_bw / 1e6
-        steps = {impl: chain_step(impl, N, B, T, d, H, device, authors=authors) for impl in ("fused", "authors")}
-        row, eager = dict(shape=name, bound_ms=bound_ms), {impl: [] for impl in steps}
+        steps = {impl: chain_step(impl, N, B, T, d, H, device, authors=others.get(impl)) for impl in ("fused", *others)}
+        ref = chain_step("reference", N, B, T, d, H, device)
+        ref()
+        row, eager = dict(shape=name, heads=H, bound_ms=bound_ms), {impl: [] for impl in steps}
         for impl, step in steps.items():
             step()
-            step.router.chain = None   # our chain's buffers count in the peak, as the authors' per-pass buffer does
+            step.router.chain = None   # our chain's buffers count in the peak, as the others' per-pass buffers do
             row[f"{impl}_peak_gb"] = _peak_gb(step)
             row[f"{impl}_graph_ms"] = do_bench(graphed(step), warmup=50, rep=300, return_mode="median")
-        out = {impl: step.out.float() for impl, step in steps.items()}
-        row["out_rel_diff"] = ((out["fused"] - out["authors"]).abs().max() / out["authors"].abs().max()).item()
+            row[f"{impl}_out_rel_err"] = ((step.out.float() - ref.out.float()).abs().max() /
+                                          ref.out.float().abs().max()).item()
         for _ in range(rounds):
             for impl, step in steps.items():
                 eager[impl].append(do_bench(step, warmup=25, rep=200, return_mode="median"))
@@ -603,12 +636,14 @@ def side_by_side(authors, device, copy_bw, rounds=3):
             row[f"{impl}_eager_ms"] = sorted(eager[impl])[rounds // 2]
             row[f"{impl}_eager_all"] = eager[impl]
         rows.append(row)
-        print(f"{name:11s} | eager {row['fused_eager_ms']:6.2f} / {row['authors_eager_ms']:6.2f} ms = "
-              f"{row['authors_eager_ms'] / row['fused_eager_ms']:4.2f}x | graph {row['fused_graph_ms']:6.2f} / "
-              f"{row['authors_graph_ms']:6.2f} ms = {row['authors_graph_ms'] / row['fused_graph_ms']:4.2f}x | peak "
-              f"{row['fused_peak_gb']:.2f} / {row['authors_peak_gb']:.2f} GB | of bound (graph) "
-              f"{100 * bound_ms / row['fused_graph_ms']:4.1f}% / {100 * bound_ms / row['authors_graph_ms']:4.1f}% | "
-              f"outputs differ by {row['out_rel_diff']:.1e} of max", flush=True)
+        for other in others:
+            print(f"{name:11s} H={H} {other:7s} | eager {row['fused_eager_ms']:6.2f} / {row[other + '_eager_ms']:6.2f} ms"
+                  f" = {row[other + '_eager_ms'] / row['fused_eager_ms']:4.2f}x | graph {row['fused_graph_ms']:6.2f} / "
+                  f"{row[other + '_graph_ms']:6.2f} ms = {row[other + '_graph_ms'] / row['fused_graph_ms']:4.2f}x | peak "
+                  f"{row['fused_peak_gb']:.2f} / {row[other + '_peak_gb']:.2f} GB | of bound (graph) "
+                  f"{100 * bound_ms / row['fused_graph_ms']:4.1f}% / {100 * bound_ms / row[other + '_graph_ms']:4.1f}% | "
+                  f"max error against the reference {row['fused_out_rel_err']:.1e} / {row[other + '_out_rel_err']:.1e}",
+                  flush=True)
     return rows
 
 
@@ -685,6 +720,9 @@ def routing_main(argv):
     p.add_argument("--cpu-profile", action="store_true",
                    help="where the eager chain's host time goes (host time per site, a Python profile), then exit")
     p.add_argument("--check-only", action="store_true", help="only the correctness checks, then exit")
+    p.add_argument("--peers", metavar="NAMES", help="side by side with single-head peers you installed, e.g. fla,liger "
+                   "(fla-core's fused_attnres, Liger-Kernel's LigerAttnResFunction): ours at H = 1, same measures as "
+                   "--authors; then exit")
     p.add_argument("--authors", metavar="PATH", help="side by side with the authors' fused kernel (your copy of their "
                    "mhar_triton.py): eager and CUDA-graph time, memory, fraction of the bandwidth bound; then exit")
     p.add_argument("--heads", type=int, default=None, metavar="H",
@@ -697,6 +735,7 @@ def routing_main(argv):
         if H < 1 or d % H or d // H < 16:
             sys.exit(f"bench.py routing: --heads={H} does not fit the {name} shape's width d={d} (H must divide d with "
                      f"d/H >= 16)")
+    authors, peers = load_authors(args.authors) if args.authors else None, load_peers(args.peers) if args.peers else None
     device = args.device
     if device == "cpu" and not rk.available("cpu"):
         sys.exit("bench.py routing: no CUDA device; run with TRITON_INTERPRET=1 for Triton's CPU interpreter")
@@ -720,10 +759,11 @@ def routing_main(argv):
     print(header)
     del x, y
     rows = []
-    if args.authors:
-        print("side by side, ours / the authors' (same inputs, this process); x = how many times faster ours is",
-              flush=True)
-        rows = side_by_side(load_authors(args.authors), device, copy_bw)
+    if authors or peers:
+        for others in ([{"authors": authors}] if authors else []) + ([peers] if peers else []):
+            print(f"side by side, ours / {' / '.join(others)} (same inputs, this process); x = how many times faster ours "
+                  "is", flush=True)
+            rows += side_by_side(others, device, copy_bw)
     elif args.cpu_profile:
         host_profile(device)
     elif args.delta:

@@ -2467,6 +2467,26 @@ def test_bench_authors_file_errors(tmp_path):
         bench.load_authors(str(tmp_path / "other.py"))
 
 
+def test_bench_peers():
+    """bench.py routing --peers: an unknown or uninstalled peer is a one-line error naming the fix; the chain each peer
+    runs calls it as its package does (fla: query, the list of sources, key-norm weight; Liger: the stacked sources,
+    query, weight, eps), checked with stand-ins that route by the reference: the chain's output is the reference's."""
+    with pytest.raises(SystemExit, match=r"unknown peer 'triton'; choose from fla, liger"):
+        bench.load_peers("fla,triton")
+    for name, (package, module, _) in bench.PEERS.items():
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            with pytest.raises(SystemExit, match=rf"--peers={name}: cannot import {module} .*pip install {package}"):
+                bench.load_peers(name)
+    stand_ins = {"fla": lambda q, sources, g, rms_eps: route_reference(torch.stack(sources), q, g, 1, rms_eps),
+                 "liger": types.SimpleNamespace(apply=lambda stacked, q, g, eps: route_reference(stacked, q, g, 1, eps))}
+    ref = bench.chain_step("reference", 4, 2, 5, 32, 1, DEVICE)
+    ref()
+    for name, call in stand_ins.items():
+        step = bench.chain_step(name, 4, 2, 5, 32, 1, DEVICE, authors=call)
+        step()
+        assert torch.equal(step.out, ref.out), name
+
+
 def test_bench_block_chain():
     """bench.py's routing chain under block routing (what routing_ms times for the *_block8 variants): the per-call
     kernels against the reference over the same block sources, and one sublayer a block is the full chain, bitwise."""
