@@ -15,7 +15,8 @@ microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024), its forward and backward replayed a
 
 Variants (sublayers compiled in all of them when --compile): baseline; mhar_eager (reference routing, eager);
 mhar_compiled (reference routing under torch.compile); mhar_fused (routing_kernel.py); attnres_fused (single
-head, fused); hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the routing chain
+head, fused); mhar_block8, attnres_block8 (block routing, 8 blocks); mhar_gather, attnres_gather (the fused chain with
+routing_gather.py's backward); hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the routing chain
 alone at the same shape (time_chain below; the fused chain replayed from a CUDA graph, i.e. GPU time) over the
 step time: an estimate, since in the step the chain's launches overlap the sublayers' work. Peak memory: the most
 allocated during the run, warm-up and graph capture included, above what the process held before it (each run
@@ -67,6 +68,8 @@ VARIANTS = {
     "attnres_fused": dict(residual="attnres", routing_impl="fused"),
     "mhar_block8": dict(residual="mhar", routing_impl="fused", route_blocks=8),        # block routing, 8 blocks
     "attnres_block8": dict(residual="attnres", routing_impl="fused", route_blocks=8),  # Block AttnRes (Kimi)
+    "mhar_gather": dict(residual="mhar", routing_impl="fused", backward="gather"),      # routing_gather.py's backward
+    "attnres_gather": dict(residual="attnres", routing_impl="fused", backward="gather"),
     "hyper": dict(residual="hyper"),
 }
 PAPER_VOCAB = 151936
@@ -93,9 +96,11 @@ def scale_config(scale, vocab):
 def build(scale, variant, device, compile_model, vocab):
     kw, B = scale_config(scale, vocab)
     v = dict(VARIANTS[variant])
-    compile_routing = v.pop("compile_routing", True)
+    compile_routing, backward = v.pop("compile_routing", True), v.pop("backward", None)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**kw, **v)).to(device)
+    if backward:   # the fused chain's other backward, with the width's launch settings otherwise
+        model.routing_config = replace(rk.config_for(model.cfg.n_embd, model.cfg.heads), backward=backward)
     if compile_model:
         model.compile_sublayers()
         if not compile_routing:
@@ -227,8 +232,9 @@ def routing_ms(scale, variant, device, vocab):
     H = 1 if v["residual"] == "attnres" else kw["n_kv_head"]
     impl = "fused" if v["routing_impl"] == "fused" else "compiled" if v.get("compile_routing", True) else "eager"
     ref = torch.compile(route_reference, dynamic=True) if impl == "compiled" else None
+    config = replace(rk.config_for(kw["n_embd"], H), backward=v["backward"]) if "backward" in v else None
     ms, _ = time_chain(impl, 2 * kw["n_layer"] + 1, B, kw["block_size"], kw["n_embd"], H, device, ref, graph=impl == "fused",
-                       blocks=v.get("route_blocks"))
+                       config=config, blocks=v.get("route_blocks"))
     return ms
 
 

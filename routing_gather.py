@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from routing_config import INTERPRET, _block_m, _split
-from routing_kernel import RoutingChain, _rounded
+from routing_kernel import RoutingChain, _dot2, _rounded
 
 
 @triton.jit
@@ -46,15 +46,6 @@ def _load(X, base, off_a, mask_a, off_b, mask_b, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _hdot(x_a, y_a, x_b, y_b, SPLIT: tl.constexpr):
-    """Per-head sums of x * y over both parts: [BLOCK_M, BH]."""
-    out = tl.sum(x_a * y_a, axis=2)
-    if SPLIT:
-        out += tl.sum(x_b * y_b, axis=2)
-    return out
-
-
-@triton.jit
 def _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM: tl.constexpr, H: tl.constexpr,
           SPLIT: tl.constexpr):
     """Site jp's w (both parts, [1, BH, part]) and log-sum-exp ([BLOCK_M, BH])."""
@@ -67,9 +58,9 @@ def _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DL
           H: tl.constexpr, SPLIT: tl.constexpr):
     """Pair (site jp, source n): acc += alpha G, u += dlogit w, k += sum_h dlogit logit; dlogit r_n stored as DLR row
     `row` (the dw product's operand). s, g: [BLOCK_M, BH, part] fp32 tiles, r: [BLOCK_M], c: [BLOCK_M, BH]."""
-    logit = r[:, None] * _hdot(s_a, w_a, s_b, w_b, SPLIT)
+    logit = r[:, None] * _dot2(s_a, w_a, s_b, w_b, SPLIT)
     alpha = tl.exp(logit - lse)
-    dlogit = alpha * (_hdot(g_a, s_a, g_b, s_b, SPLIT) - c)
+    dlogit = alpha * (_dot2(g_a, s_a, g_b, s_b, SPLIT) - c)
     tl.store(DLR + row * H * M64 + hoff, dlogit * r[:, None], mask=hmask)
     acc_a, u_a = acc_a + alpha[:, :, None] * g_a, u_a + dlogit[:, :, None] * w_a
     if SPLIT:
@@ -124,7 +115,7 @@ def _gather_bwd(
     if SPLIT:
         tl.store(GB + slot + off_b, g_b.to(GB.dtype.element_ty), mask=mask_b)
     mix_a, mix_b = _load(MIX, slot, off_a, mask_a, off_b, mask_b, SPLIT)
-    c = _hdot(g_a, mix_a, g_b, mix_b, SPLIT)
+    c = _dot2(g_a, mix_a, g_b, mix_b, SPLIT)
     tl.store(C + n * H * M64 + hoff, c, mask=hmask)
     acc_a, u_a, acc_b, u_b, k = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
     last = N

@@ -292,10 +292,10 @@ if triton is not None:
 
     @triton.jit
     def _dot2(x_a, y_a, x_b, y_b, SPLIT: tl.constexpr):
-        """Row sums of x * y over both parts, [BLOCK_M] fp32."""
-        out = tl.sum(x_a * y_a, axis=1)
+        """Sums of x * y over both parts' last axis (the columns), fp32: [BLOCK_M], or [BLOCK_M, heads] for 3D tiles."""
+        out = tl.sum(x_a * y_a, axis=-1)
         if SPLIT:
-            out += tl.sum(x_b * y_b, axis=1)
+            out += tl.sum(x_b * y_b, axis=-1)
         return out
 
     @triton.jit

@@ -630,6 +630,16 @@ def fused_model_vs_reference(**kw):
     return fused
 
 
+def assert_backward_repeats_bitwise(model, idx):
+    """Two backward passes of the same batch give bitwise the same gradients."""
+    grads = []
+    for _ in range(2):
+        model.zero_grad()
+        model(idx, idx)[1].backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def assert_grads_close(fused, ref, tol=1e-4):
     """Every parameter gradient; the routing q and g of all sites compared as one vector each (site 0 mixes
     one source, so its q and g get exactly 0 in the reference and rounding noise in the fused path)."""
@@ -856,12 +866,7 @@ def test_fused_gather_backward_in_a_model(mode, H):
     gradient match the reference, and a second backward gives bitwise the same gradients."""
     fused = fused_model_vs_reference(residual=mode, route_heads=H, route_scale=0.5, routing_config=GATHER)
     assert type(fused._router.chain).__name__ == "GatherChain"
-    idx, grads = torch.randint(0, 96, (2, 19), device=DEVICE), []
-    for _ in range(2):
-        fused.zero_grad()
-        fused(idx, idx)[1].backward()
-        grads.append([p.grad.clone() for p in fused.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert_backward_repeats_bitwise(fused, torch.randint(0, 96, (2, 19), device=DEVICE))
 
 
 def test_fused_gather_backward_needs_every_query():
@@ -918,14 +923,7 @@ def test_fused_model_shared_reads():
 
 
 def test_fused_gradients_bitwise_deterministic():
-    _, fused = tiny_pair()
-    idx = torch.randint(0, 96, (3, 21), device=DEVICE)
-    grads = []
-    for _ in range(2):
-        fused.zero_grad()
-        fused(idx, idx)[1].backward()
-        grads.append([p.grad.clone() for p in fused.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert_backward_repeats_bitwise(tiny_pair()[1], torch.randint(0, 96, (3, 21), device=DEVICE))
 
 
 def test_fused_composes_with_checkpointing_and_no_grad():
