@@ -879,10 +879,11 @@ def test_fused_gather_backward_needs_every_query():
 
 @pytest.mark.skipif(DEVICE == "cpu" and not os.environ.get("MHAR_SLOW_TESTS"),
                     reason="145 sites take ~4 min in Triton's CPU interpreter: runs on CUDA or with MHAR_SLOW_TESTS=1")
-def test_fused_routing_145_sources():
+@pytest.mark.parametrize("backward", ["site", "gather"])
+def test_fused_routing_145_sources(backward):
     N, B, T, d, H = 145, 1, 3, 32, 2
     src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=145)
-    fused = chain_grads("fused", src0, qs, gs, shift, up, H, torch.float32)
+    fused = chain_grads("fused", src0, qs, gs, shift, up, H, torch.float32, rk.RoutingConfig(backward=backward))
     ref = chain_grads("reference", src0, qs, gs, shift, up, H, torch.float32)
     for name, a, b in zip(["out", "d_source", "dq", "dg"], fused, ref):
         assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
