@@ -85,7 +85,7 @@ def _store_ds(DS, acc, u, s, r, k, inv_dm, off, mask):
     tl.store(DS + off, _rounded(ds, DS.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["j"])
+@triton.jit(do_not_specialize=["j", "M"])   # (an int argument that equals 1 would become a constant: M.to fails)
 def _gather_bwd(
     S, R, W, LSE, MIX,  # the forward's: [N, M, DM] sources, [N, M] RMS factors, [N, DM] w, [N, H, M] lse, [N, M, DM] mix
     GIN, GB, C,         # [M, DM] site j's upstream gradient; [N, M, DM] every site's (slot j-1 written); [N, H, M] c
@@ -156,7 +156,7 @@ def _gather_bwd(
         _store_ds(DS, acc_b, u_b, s_b, r, k, inv_dm, off_b, mask_b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row0", "n", "J", "M"])   # (they change every site: one compiled kernel for all)
 def _dw_terms(DLR, S, PDW, row0, n, J, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
               BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Source n's terms of dw for sites n+1 .. n+J over one split of the tokens: PDW[split, row0 + i, cols] = sum over
