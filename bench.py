@@ -389,9 +389,10 @@ CHAIN_SHAPES = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), (
                 ("100M-train", 12, 512, 4, 8, 2048), ("124M-train", 12, 768, 4, 8, 2048),
                 ("350M-train", 24, 1024, 8, 4, 1024), ("1B-train", 36, 1280, 8, 2, 1024)]
 # every setting DEFAULT and TUNED_H200 ship is a candidate, so a retune can find them again (a test checks it)
-TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3),
-                   (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
-CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead")
+TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4),
+                   (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
+# the last two: routing_gather's backward (tuned with it on)
+CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead")
 
 
 def run_chain(route_site, source0, n_sites, sublayer):
@@ -696,7 +697,7 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES)
                 if key in seen:
                     continue
                 seen.add(key)
-                trial = replace(cfg, **{kernel: cand})
+                trial = replace(cfg, **{kernel: cand}, **({"backward": "gather"} if "bwd" in kernel else {}))
                 try:
                     times = [time_chain("fused", 2 * L + 1, B, T, dd, HH, device, graph=True, config=trial)[0]
                              for _, L, dd, HH, B, T in group]

@@ -36,6 +36,11 @@ class RoutingConfig:
     max_block_m: int = 256 if INTERPRET else 64   # tokens per program at most (the interpreter: few, big programs)
     direct: bool = True   # the chain calls its compiled kernels' launchers directly (RoutingChain._launch)
     backward: str = "site"   # "gather": routing_gather.GatherChain's backward, no site pass (its queries need start's)
+    # routing_gather's gather and its leading form: the tile holds a token's every head (ptxas for sm_90: 1024 elements
+    # on 4 warps keep every training width at 48-165 registers without spills; the site design's 4096-element gather
+    # tile spilled here at d 1024)
+    gather_bwd: tuple = (1024, 4, 3)
+    gather_bwd_lead: tuple | None = (1024, 4, 3)   # None: no gather leads
 
 
 DEFAULT = RoutingConfig()

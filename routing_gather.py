@@ -188,19 +188,21 @@ class GatherChain(RoutingChain):
         self.MIX, self.C = torch.empty(N, M, d, **f32), torch.empty(N, H, M, **f32)
         self.DLR = torch.empty(N * (N + 1) // 2, H, M, **f32)
         # dw's product: a program's (sites, tokens a step, columns), and token splits. Each program reads its DLR rows
-        # and s_n columns once: wider blocks re-read less, more splits keep the GPU busy. PDW [splits, P + 1, d] holds
-        # every pair's partial terms (row P stays 0), summed once at the end: site jp's pairs are rows SITE_PAIRS[jp-1].
+        # and s_n columns once: wider blocks re-read less, more splits keep the GPU busy. 16 tokens a step: with 32, the
+        # IEEE product held 255 registers and spilled (ptxas for sm_90, 4 warps); 127 with 16. PDW [splits, P + 1, d]
+        # holds every pair's partial terms (row P stays 0), summed once at the end: site jp's pairs are rows
+        # SITE_PAIRS[jp-1].
         P = N * (N + 1) // 2
-        self.dw_launch = (32, 64 if INTERPRET else 32, min(64, triton.next_power_of_2(self.D)), min(32, triton.cdiv(M, 512)))
+        self.dw_launch = (32, 64 if INTERPRET else 16, min(64, triton.next_power_of_2(self.D)), min(32, triton.cdiv(M, 512)))
         self.PDW = torch.zeros(self.dw_launch[3], P + 1, d, **f32)
         rows = [[n * N - n * (n - 1) // 2 + jp - n - 1 for n in range(jp)] + [P] * (N - jp) for jp in range(1, N + 1)]
         self.SITE_PAIRS = torch.tensor(rows, device=self.S.device)
         self.LG = self.LSE   # (a placeholder: the forward stores no logits)
-        # a program holds every head of its tokens: the gather (and leading gather) setting's tile over the heads' width
+        # a program holds every head of its tokens (gather_bwd, gather_bwd_lead: tile elements, warps, stages)
         bh, (d_a, block_b, lanes) = triton.next_power_of_2(H), _split(self.D)   # (160 = 128 + 32, not 256 padded)
         shape = dict(DM=d, H=H, D=self.D, BH=bh, D_A=d_a, BLOCK_B=block_b)
-        self.gather_launch = {lead: (_block_m(setting[0], bh * lanes, self.config), *setting[1:], shape)
-                              for lead, setting in ((False, self.config.gather), (True, self.config.gather_lead)) if setting}
+        self.gather_launch = {lead: (_block_m(setting[0], bh * lanes, self.config), *setting[1:], shape) for lead, setting
+                              in ((False, self.config.gather_bwd), (True, self.config.gather_bwd_lead)) if setting}
         self.stored_logits = False   # (the gather recomputes each pair's logit)
 
     def deferred(self, j):

@@ -694,7 +694,8 @@ class RoutingChain:
         fwd, gather = lead_schedule(N, cfg.lead_min)
         self.launcher = Launcher(device, DIRECT_OK)
         self.fwd_lead = fwd if self.launch["fwd_lead"] else frozenset()
-        self.gather_lead = gather if self.launch["gather_lead"] and training else frozenset()
+        lead = self.launch["gather_lead"] if cfg.backward == "site" else cfg.gather_bwd_lead   # (routing_gather's)
+        self.gather_lead = gather if lead and training else frozenset()
         # one lead state at a time (the forward's is used up before the backward); else unused placeholders
         self.PACC, self.PML, self.PK = (torch.empty(M, d, **f32), torch.empty(2, H, M, **f32), torch.empty(M, **f32)) \
             if self.fwd_lead or self.gather_lead else (self.R,) * 3
