@@ -14,13 +14,13 @@ microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024), its forward and backward replayed a
   python bench.py --scales=tiny --device=cpu --steps=2 --compile=False     # CPU smoke test (CI)
 
 Variants (sublayers compiled in all of them when --compile): baseline; mhar_eager (reference routing, eager);
-mhar_compiled (reference routing under torch.compile); mhar_fused (routing_kernel.py); attnres_fused (single
-head, fused); mhar_block8, attnres_block8 (block routing, 8 blocks); mhar_gather, attnres_gather (the fused chain with
-routing_gather.py's backward); hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the routing chain
-alone at the same shape (time_chain below; the fused chain replayed from a CUDA graph, i.e. GPU time) over the
-step time: an estimate, since in the step the chain's launches overlap the sublayers' work. Peak memory: the most
-allocated during the run, warm-up and graph capture included, above what the process held before it (each run
-starts from a garbage-collected process and a reset torch.compile cache).
+mhar_compiled (reference routing under torch.compile); mhar_fused (routing_kernel.py); attnres_fused (single head,
+fused); mhar_block8, attnres_block8 (block routing, 8 blocks); mhar_gather, attnres_gather (the fused chain with
+routing_gather.py's backward); hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the
+routing chain alone at the same shape (time_chain below; the fused chain replayed from a CUDA graph, i.e. GPU time)
+over the step time: an estimate, since in the step the chain's launches overlap the sublayers' work. Peak memory:
+the most allocated during the run, warm-up and graph capture included, above what the process held before it (each
+run starts from a garbage-collected process and a reset torch.compile cache).
 
 2. `python bench.py routing`: the routing chain alone (every site of a model, forward and backward, an elementwise
 sublayer between sites), fused against the reference, at the paper's Table 5 shapes and training microbatches:
@@ -794,8 +794,8 @@ def routing_main(argv):
                 t, mem = time_chain(impl.split("-")[0], N, B, T, d, H, device, ref_compiled, graph=impl.endswith("graph"))
                 gbps = bytes6 / t / 1e6
                 rows.append(dict(shape=name, heads=H, impl=impl, ms=t, gbps=gbps, copy_frac=gbps / copy_bw, peak_gb=mem))
-                print(f"{name:11s} H={H:<2d} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s (6 B/pair-elem, {100 * gbps / copy_bw:4.1f}% "
-                      f"of copy)  peak {mem:.2f} GB", flush=True)
+                print(f"{name:11s} H={H:<2d} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s (6 B/pair-elem, "
+                      f"{100 * gbps / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
             if not name.endswith("train"):
                 try:
                     print(f"{name:11s} fused kernels (profiler, ms): {profile_chain(N, B, T, d, H, device)}", flush=True)

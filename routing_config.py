@@ -34,7 +34,7 @@ class RoutingConfig:
     call_site: tuple = (8192, 8, 3)  # tokens): a site tile of 16384 made its 64 calls 72.2 ms instead of 65.7
     call_sources: tuple = (1024, 2, 3)
     max_block_m: int = 256 if INTERPRET else 64   # tokens per program at most (the interpreter: few, big programs)
-    direct: bool = True   # the chain calls its compiled kernels' launchers directly (RoutingChain._launch)
+    direct: bool = True   # the chain calls its compiled kernels' launchers directly (Launcher, below)
     backward: str = "site"   # "gather": routing_gather.GatherChain's backward, no site pass (its queries need start's)
     # routing_gather's gather and its leading form: the tile holds a token's every head (ptxas for sm_90: 1024 elements
     # on 4 warps keep every training width at 48-165 registers without spills; the site design's 4096-element gather

@@ -193,7 +193,8 @@ class GatherChain(RoutingChain):
         # holds every pair's partial terms (row P stays 0), summed once at the end: site jp's pairs are rows
         # SITE_PAIRS[jp-1].
         P = N * (N + 1) // 2
-        self.dw_launch = (32, 64 if INTERPRET else 16, min(64, triton.next_power_of_2(self.D)), min(32, triton.cdiv(M, 512)))
+        self.dw_launch = (32, 64 if INTERPRET else 16, min(64, triton.next_power_of_2(self.D)),
+                          min(32, triton.cdiv(M, 512)))
         self.PDW = torch.zeros(self.dw_launch[3], P + 1, d, **f32)
         rows = [[n * N - n * (n - 1) // 2 + jp - n - 1 for n in range(jp)] + [P] * (N - jp) for jp in range(1, N + 1)]
         self.SITE_PAIRS = torch.tensor(rows, device=self.S.device)

@@ -762,7 +762,7 @@ class RoutingChain:
         grid, bm, warps, stages, parts = self.launch["fwd_lead" if lead else "fwd"]
         q2, g2 = (self.queries[j], self.gains[j]) if lead else (q, g)   # site j+1's q and g
         self.launcher.launch(_chain_fwd, ("fwd", lead, self.following), grid, warps, (new_source, q, g, q2, g2),
-                     dict(NEW=new_source, Q=q, G=g, OUT=out, Q2=q2, G2=g2, j=j), lambda: dict(
+                             dict(NEW=new_source, Q=q, G=g, OUT=out, Q2=q2, G2=g2, j=j), lambda: dict(
             S=self.S, R=self.R, W=self.W, LSE=self.LSE, LG=self.LG if self.training else self.LSE, PACC=self.PACC,
             PML=self.PML, MIX=self.MIX, M=self.M, eps=self.eps, DM=self.d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
             BLOCK_C=min(1024, triton.next_power_of_2(self.d)), STAGES=stages, STORE_LOGITS=self.stored_logits, LEAD=lead,
@@ -785,7 +785,8 @@ class RoutingChain:
         M, d, H = self.M, self.d, self.H
         grad_out = grad_out.to(self.dtype).contiguous()   # (no copy when it already is)
         grid, bm, warps, stages, parts = self.launch["site"]
-        self.launcher.launch(_chain_bwd_site, ("site",), grid, warps, (grad_out,), dict(GIN=grad_out, j=j), lambda: dict(
+        self.launcher.launch(_chain_bwd_site, ("site",), grid, warps, (grad_out,), dict(GIN=grad_out, j=j),
+                             lambda: dict(
             S=self.S, R=self.R, W=self.W, LSE=self.LSE, GB=self.GB, LG=self.LG, DA=self.DA, C=self.C, PART=self.PART, M=M,
             DM=d, H=H, D=self.D, **parts, BLOCK_M=bm, STAGES=stages, LOGITS_STORED=self.stored_logits))
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
@@ -793,8 +794,9 @@ class RoutingChain:
         lead = j in self.gather_lead and not self.following
         grid, bm, warps, stages, parts = self.launch["gather_lead" if lead else "gather"]
         (pair_blocks,), bmp, _, _, pair_parts = self.launch["pairs"]   # + the pair pass of pairs (j, 0 .. j-2-lead)
-        self.launcher.launch(_chain_bwd_gather, ("gather", lead, self.following), (grid[0] + pair_blocks * max(0, j - 1 - lead),),
-                     warps, (q, g), dict(Q=q, G=g, DS=ds, DQG=dqg, j=j), lambda: dict(
+        self.launcher.launch(_chain_bwd_gather, ("gather", lead, self.following),
+                             (grid[0] + pair_blocks * max(0, j - 1 - lead),), warps, (q, g),
+                             dict(Q=q, G=g, DS=ds, DQG=dqg, j=j), lambda: dict(
             S=self.S, R=self.R, W=self.W, GB=self.GB, PART=self.PART, PART2=self.PART2, TICKET=self.TICKET, DL=self.DA,
             AL=self.LG, KP=self.KP, LSE=self.LSE, C=self.C, PACC=self.PACC, PK=self.PK, M=M, n_sites=self.N,
             n_blocks=self.n_blocks, K=self.K, n_main=grid[0], inv_dm=1.0 / d, DM=d, H=H, D=self.D, **parts, BLOCK_M=bm,
