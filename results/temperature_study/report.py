@@ -51,7 +51,9 @@ INTERACTIONS = [("124m", ("attnres_q0.02", "attnres"), ("mhar_q0.02", "mhar")),
                 ("124m", ("attnres_x0.5_q0.02", "attnres_x0.5"), ("mhar_q0.02", "mhar"))]
 # comparisons added after the planned runs were seen: printed apart, as descriptions (their t is shown, not tested)
 ADDED = [("124m", "mhar", "baseline"), ("124m", "attnres", "baseline"), ("124m", "attnres_x0.5", "baseline"),
-         ("124m", "attnres_x0.25", "attnres_x0.5")]   # the 1/H match against the 1/sqrt(H) one, single heads
+         ("124m", "attnres_x0.25", "attnres_x0.5"),   # the 1/H match against the 1/sqrt(H) one, single heads
+         # MHAR H = 16 at s against the single head at s / 16, its router speed under s = 1/H
+         ("100m", "mhar_x2_h16", "attnres_x0.125"), ("100m", "mhar_x4_h16", "attnres_x0.25")]
 
 
 CONFIG = re.compile(r"(baseline|attnres|mhar)(?:_x([\d.]+))?(?:_h(\d+))?(?:_q([\d.]+))?")
@@ -214,7 +216,9 @@ def plots(rs, out_dir):
     import matplotlib.pyplot as plt
     os.makedirs(out_dir, exist_ok=True)
     configs = sorted({k[1] for k in rs})
-    colour = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(configs)}
+    # ten colours, then the same ten dashed, then dotted: every config of a panel tells apart from the others
+    style = {c: dict(color=plt.get_cmap("tab10")(i % 10), ls=("-", "--", ":")[i // 10 % 3])
+             for i, c in enumerate(configs)}
     for shape in sorted({k[0] for k in rs}):
         fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
         for cfg in configs:
@@ -231,8 +235,8 @@ def plots(rs, out_dir):
                 if not ys:
                     continue
                 for y in ys:
-                    panel.plot(steps, y, color=colour[cfg], lw=0.7, alpha=0.35)
-                panel.plot(steps, [statistics.mean(v) for v in zip(*ys)], color=colour[cfg], lw=2, label=label)
+                    panel.plot(steps, y, **style[cfg], lw=0.7, alpha=0.35)
+                panel.plot(steps, [statistics.mean(v) for v in zip(*ys)], **style[cfg], lw=2, label=label)
         ax.set(xlabel="step", ylabel="validation loss", title=f"{shape}: validation loss (thick: mean over seeds)")
         gap.axhline(0, color="k", lw=0.5)
         gap.set(xlabel="step", ylabel="loss - MHAR's (same seed)", title=f"{shape}: paired gap to MHAR")
@@ -276,7 +280,8 @@ def plots(rs, out_dir):
 def head_vs_scale(rs, out_dir, plt, shape="100m"):
     """head_vs_scale.png: zero-init MHAR's tail-5 against its head count H (s = 1; H = 1 is the single head), and the
     single head's against its route_scale s, drawn at the H that s matches under s = 1/H and under s = 1/sqrt(H):
-    mean +- SE over each point's seeds. The curves coincide where a head count is only a router speed or scale."""
+    mean +- SE over each point's seeds. The curves coincide where a head count is only a router speed or scale. MHAR
+    at other s (H = 16 at s = 2 and 4: a faster router for many heads) is drawn at its H, labelled with s."""
     def points(select):
         pts = {}
         for (sh, cfg, seed), r in rs.items():
@@ -295,9 +300,20 @@ def head_vs_scale(rs, out_dir, plt, shape="100m"):
             xs, ys = [x for x, _ in pts], [y for _, y in pts]
             ax.errorbar(xs, [statistics.mean(y) for y in ys], marker=marker, capsize=3, label=label,
                         yerr=[statistics.stdev(y) / math.sqrt(len(y)) if len(y) > 1 else 0 for y in ys])
+    other = {}   # MHAR at s != 1: (H, s) -> tail-5 per seed, each point labelled with its s
+    for (sh, cfg, seed), r in rs.items():
+        mode, s, heads, init = parse(cfg)
+        if sh == shape and mode == "mhar" and s != 1 and not init:
+            other.setdefault((heads or 4, s), []).append(r["tail"])
+    for i, ((h, s), y) in enumerate(sorted(other.items())):
+        ax.errorbar([h], [statistics.mean(y)], yerr=[statistics.stdev(y) / math.sqrt(len(y)) if len(y) > 1 else 0],
+                    marker="^", color="k", capsize=3, ls="none", label="MHAR at s != 1 (labelled)" if i == 0 else None)
+        ax.annotate(f"s={s:g}, n={len(y)}", (h, statistics.mean(y)), textcoords="offset points", xytext=(6, -3),
+                    fontsize=7)
     ax.set(xscale="log", xlabel="routing heads H (or the H a single head's s matches)", ylabel="tail-5 validation loss",
-           title=f"{shape}, zero-init queries: heads against router speed")
-    ax.set_xticks([1, 2, 4, 8, 16, 32, 64], ["1", "2", "4", "8", "16", "32", "64"])
+           title=f"{shape}, zero-init queries: heads against router speed (mean +- SE over seeds)")
+    ticks = [2**i for i in range(9)]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
     legend(ax)
     fig.savefig(os.path.join(out_dir, "head_vs_scale.png"), dpi=120)
