@@ -14,9 +14,10 @@ microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024), its forward and backward replayed a
   python bench.py --scales=tiny --device=cpu --steps=2 --compile=False     # CPU smoke test (CI)
 
 Variants (sublayers compiled in all of them when --compile): baseline; mhar_eager (reference routing, eager);
-mhar_compiled (reference routing under torch.compile); mhar_fused (routing_kernel.py); attnres_fused (single head,
-fused); mhar_block8, attnres_block8 (block routing, 8 blocks); mhar_gather, attnres_gather (the fused chain with
-routing_gather.py's backward); hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the
+mhar_compiled (reference routing under torch.compile); mhar_fused (routing_kernel.py, the width's launch settings and
+backward); attnres_fused (single head, fused); mhar_block8, attnres_block8 (block routing, 8 blocks); mhar_site,
+attnres_site / mhar_gather, attnres_gather (the fused chain with the site-pass backward / routing_gather.py's, forced);
+hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the
 routing chain alone at the same shape (time_chain below; the fused chain replayed from a CUDA graph, i.e. GPU time)
 over the step time: an estimate, since in the step the chain's launches overlap the sublayers' work. Peak memory:
 the most allocated during the run, warm-up and graph capture included, above what the process held before it (each
@@ -68,6 +69,9 @@ VARIANTS = {
     "attnres_fused": dict(residual="attnres", routing_impl="fused"),
     "mhar_block8": dict(residual="mhar", routing_impl="fused", route_blocks=8),        # block routing, 8 blocks
     "attnres_block8": dict(residual="attnres", routing_impl="fused", route_blocks=8),  # Block AttnRes (Kimi)
+    # the fused chain with each backward forced (mhar_fused / attnres_fused: the width's own, routing_config.TUNED_H200)
+    "mhar_site": dict(residual="mhar", routing_impl="fused", backward="site"),          # the site pass + gather
+    "attnres_site": dict(residual="attnres", routing_impl="fused", backward="site"),
     "mhar_gather": dict(residual="mhar", routing_impl="fused", backward="gather"),      # routing_gather.py's backward
     "attnres_gather": dict(residual="attnres", routing_impl="fused", backward="gather"),
     "hyper": dict(residual="hyper"),
@@ -393,6 +397,7 @@ TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048,
                    (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
 # the last two: routing_gather's backward (tuned with it on)
 CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead")
+FWD_KERNELS = ("fwd", "fwd_lead")   # the others run in one backward or the other
 
 
 def run_chain(route_site, source0, n_sites, sublayer):
@@ -697,7 +702,9 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES)
                 if key in seen:
                     continue
                 seen.add(key)
-                trial = replace(cfg, **{kernel: cand}, **({"backward": "gather"} if "bwd" in kernel else {}))
+                # a kernel is timed in the backward that runs it (the site pass's kernels: "site"; _bwd: "gather")
+                backward = {"backward": "gather" if "bwd" in kernel else "site"} if kernel not in FWD_KERNELS else {}
+                trial = replace(cfg, **{kernel: cand}, **backward)
                 try:
                     times = [time_chain("fused", 2 * L + 1, B, T, dd, HH, device, graph=True, config=trial)[0]
                              for _, L, dd, HH, B, T in group]

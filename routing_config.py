@@ -46,13 +46,20 @@ class RoutingConfig:
 DEFAULT = RoutingConfig()
 # Per width (d, H), tuned on one H200 at the paper's training microbatches (Table 1) by `bench.py routing --tune-train`
 # and A/B runs (BENCHMARKS.md). At 1B (heads of 128 + 32 columns) stored logits cost the kernels 16% / 8% (registers)
-# and the two-level dw sum 0.8%; at 100M the paired gather was no faster (5.85 ms either way).
+# and the two-level dw sum 0.8%; at 100M the paired gather was no faster (5.85 ms either way). The backward without
+# the site pass (backward="gather", results/gather_backward/ab.py: both backwards in one process) is chosen where it
+# was faster in the chain and in the step: the single head at d 512 (chain 0.70x; step 0.84x -> 0.90x of the
+# baseline's tokens/s) and d 1024 (0.62x; 0.75x -> 0.84x), MHAR at 1B (0.92x; 0.80x -> 0.82x), for ~0.7 GB more
+# memory (its fp32 site outputs). Elsewhere it was within 4% or slower (d 768: 1.08-1.14x, on DEFAULT's settings).
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
                    stored_logits=True),
+    # site and gather: the site-pass backward's, tuned (its chain 9.34 -> 6.87 ms), used when that backward is forced
+    (512, 1): dict(site=(4096, 4, 3), gather=(4096, 4, 3), backward="gather"),
     (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
                     gather_lead=(4096, 4, 4), stored_logits=True),
-    (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1),
+    (1024, 1): dict(backward="gather"),
+    (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather"),
 }
 
 
