@@ -577,7 +577,8 @@ def profile_chain(N, B, T, d, H, device, config=None):
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if t > 0:
-            key = next((k for k in ("_chain_fwd", "_chain_bwd_site", "_chain_bwd_gather") if k in e.key), "other")
+            key = next((k for k in ("_chain_fwd", "_chain_bwd_site", "_chain_bwd_gather", "_gather_bwd", "_dw_terms")
+                        if k in e.key), "other")   # the last two: routing_gather.py's backward
             total[key] = total.get(key, 0.0) + t / 1e3
     return {k: round(v, 3) for k, v in sorted(total.items())}
 

@@ -3,7 +3,8 @@
 same settings otherwise), at the training microbatches, MHAR's H and the single head. Per shape and backward: the
 relative error of out and every gradient against route_reference (bench.check_against_reference, bf16 sources),
 CUDA-graph GPU time (bench.time_chain: triton.testing.do_bench median, timed site, gather, gather, site; the faster of
-each pair) and the peak memory of one pass; then the > 2^31-element check on the gather backward.
+each pair), the peak memory of one pass and the GPU time per kernel (torch profiler, one pass); then the
+> 2^31-element check on the gather backward.
 usage: python results/gather_backward/ab.py OUT.json [SHAPE ...]   (SHAPE: a name below; default all)"""
 import json
 import sys
@@ -33,9 +34,10 @@ for name, L, d, H_mhar, B, T in SHAPES:
             times[k].append(bench.time_chain("fused", N, B, T, d, H, "cuda", graph=True, config=configs[k]))
         for k in configs:
             ms, peak = min(t[0] for t in times[k]), times[k][0][1]
-            rows.append(dict(shape=name, H=H, backward=k, ms=ms, peak_gb=peak, err=errs[k]))
+            kernels = bench.profile_chain(N, B, T, d, H, "cuda", configs[k])   # ms per kernel, one profiled pass
+            rows.append(dict(shape=name, H=H, backward=k, ms=ms, peak_gb=peak, err=errs[k], kernels=kernels))
             print(f"{name:11s} H={H:<2d} {k:6s} {ms:7.3f} ms  peak {peak:5.2f} GB  err " +
-                  " ".join(f"{e} {v:.2e}" for e, v in errs[k].items()), flush=True)
+                  " ".join(f"{e} {v:.2e}" for e, v in errs[k].items()) + f"  kernels (ms) {kernels}", flush=True)
         print(f"{name:11s} H={H:<2d} gather / site: {rows[-1]['ms'] / rows[-2]['ms']:.3f}", flush=True)
 print("check 2^21 tokens, gather backward:", bench.check_large("cuda", replace(rk.config_for(1024, 8), backward="gather")),
       flush=True)
