@@ -23,7 +23,7 @@ dg; and in extra programs the pair pass: alpha, dlogit and K's terms of site j's
 Neighbouring sites share reads ("read sharing" blocks): a leading forward also runs site j+1's softmax over s_0..s_{j-1}
 and hands its fp32 state to site j+1, which adds only s_j; a leading gather also sums source j-2's terms over G_j..G_N,
 and site j-1's gather adds only G_{j-1}. Deterministic: every sum has a fixed order. routing_gather.py holds another
-backward for the same forward, without the site pass (RoutingConfig.backward = "gather"; see its header).
+backward for the same forward, without the site pass (RoutingConfig.backward = "gather", chosen per width: TUNED_H200).
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets; pair (j, n) is row j(j-1)/2 + n of P = N(N+1)/2): S, GB [N, M, d]
 sources, upstream gradients (activation dtype); fp32 R [N, M], W [N, d], LSE, C [N, H, M], DA, LG [P, H, M] (da, logit;
