@@ -395,9 +395,13 @@ CHAIN_SHAPES = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), (
 # every setting DEFAULT and TUNED_H200 ship is a candidate, so a retune can find them again (a test checks it)
 TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4),
                    (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
-# the last two: routing_gather's backward (tuned with it on)
-CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead")
+# gather_bwd, gather_bwd_lead: routing_gather's backward (tuned with it on); "backward": which of the two runs, chosen
+# last (after both backwards' settings) from BACKWARDS on time alone (the gather backward holds ~0.7 GB more at the
+# training microbatches: its fp32 site outputs)
+CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead",
+                 "backward")
 FWD_KERNELS = ("fwd", "fwd_lead")   # the others run in one backward or the other
+BACKWARDS = ("site", "gather")
 
 
 def run_chain(route_site, source0, n_sites, sublayer):
@@ -698,13 +702,14 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES)
         cfg = rk.config_for(d, H) if per_shape else rk.DEFAULT
         for kernel in kernels:
             results, seen = [], set()
-            for cand in candidates + ([None] if kernel.endswith("_lead") else []):
+            for cand in BACKWARDS if kernel == "backward" else candidates + ([None] if kernel.endswith("_lead") else []):
                 key = cand[:1] if kernel == "pairs" and cand else cand   # the pair pass runs in the gather: its tile only
                 if key in seen:
                     continue
                 seen.add(key)
                 # a kernel is timed in the backward that runs it (the site pass's kernels: "site"; _bwd: "gather")
-                backward = {"backward": "gather" if "bwd" in kernel else "site"} if kernel not in FWD_KERNELS else {}
+                backward = ({"backward": "gather" if "bwd" in kernel else "site"}
+                            if kernel not in FWD_KERNELS + ("backward",) else {})
                 trial = replace(cfg, **{kernel: cand}, **backward)
                 try:
                     times = [time_chain("fused", 2 * L + 1, B, T, dd, HH, device, graph=True, config=trial)[0]
@@ -729,7 +734,8 @@ def routing_main(argv):
     p.add_argument("--tune", nargs="?", const="site,gather,fwd,pairs", default=None, metavar="KERNELS",
                    help="tune DEFAULT's settings at the Table 5 shapes (comma-separated kernels)")
     p.add_argument("--tune-train", nargs="?", const=",".join(CHAIN_KERNELS), default=None, metavar="KERNELS",
-                   help="tune each width's settings at its training microbatch, lead kernels included")
+                   help="tune each width's settings at its training microbatch, lead kernels and the backward "
+                   "(site or gather) included")
     p.add_argument("--check-large", action="store_true", help="also check 2^21 tokens x d 1024 (64-bit offsets)")
     p.add_argument("--delta", action="store_true", help="time the per-call kernels at an 8B delta model's shape, then exit")
     p.add_argument("--cpu-profile", action="store_true",

@@ -2423,12 +2423,29 @@ def test_bench_scales_are_the_configs_shapes():
     assert (w["block_size"], w_micro) == (b["block_size"], b_micro) == (2048, 8)
 
 
+def test_tune_times_each_backward_kernel_under_its_backward(monkeypatch):
+    """--tune-train's coordinate descent: a site-pass kernel is timed with the site pass running, a gather-backward
+    kernel with that backward, and "backward" (tuned last) picks the faster of the two."""
+    trials = []
+
+    def fake_time(impl, N, B, T, d, H, device, ref=None, graph=False, config=None, blocks=None):
+        trials.append(config.backward)   # the gather backward faster; site tile (4096, 4, 3) faster than the rest
+        return 1.0 + 0.5 * (config.backward == "site") + 0.1 * (config.site != (4096, 4, 3)), 0.0
+    monkeypatch.setattr(bench, "time_chain", fake_time)
+    (cfg,) = bench.tune_configs(["site", "gather_bwd", "backward"], [("tiny-train", 2, 64, 4, 1, 16)], True, "cpu",
+                                candidates=[(1024, 2, 3), (4096, 4, 3)])
+    assert trials == ["site", "site", "gather", "gather", "site", "gather"]
+    assert cfg.site == (4096, 4, 3) and cfg.backward == "gather"
+
+
 def test_tune_candidates_cover_the_configs():
     """bench.py routing --tune / --tune-train can find every config shipped (else a retune silently drops a best)."""
-    kernels = bench.CHAIN_KERNELS
+    kernels = [k for k in bench.CHAIN_KERNELS if k != "backward"]
     used = {getattr(rk.DEFAULT, k) for k in kernels if getattr(rk.DEFAULT, k) is not None} | {v for w in rk.TUNED_H200.values() for k, v in w.items()
                                                         if k in kernels and v is not None}
     assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
+    backwards = {rk.DEFAULT.backward} | {w["backward"] for w in rk.TUNED_H200.values() if "backward" in w}
+    assert "backward" in bench.CHAIN_KERNELS and backwards <= set(bench.BACKWARDS), backwards
 
 
 def test_bench_ddp_smoke(tmp_path):
