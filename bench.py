@@ -14,14 +14,14 @@ microbatch: 8 x 2048 / 4 x 1024 / 2 x 1024), its forward and backward replayed a
   python bench.py --scales=tiny --device=cpu --steps=2 --compile=False     # CPU smoke test (CI)
 
 Variants (sublayers compiled in all of them when --compile): baseline; mhar_eager (reference routing, eager);
-mhar_compiled (reference routing under torch.compile); mhar_fused (routing_kernel.py, the width's launch settings and
-backward); attnres_fused (single head, fused); mhar_block8, attnres_block8 (block routing, 8 blocks); mhar_site,
-attnres_site / mhar_gather, attnres_gather (the fused chain with the site-pass backward / routing_gather.py's, forced);
-hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the
-routing chain alone at the same shape (time_chain below; the fused chain replayed from a CUDA graph, i.e. GPU time)
-over the step time: an estimate, since in the step the chain's launches overlap the sublayers' work. Peak memory:
-the most allocated during the run, warm-up and graph capture included, above what the process held before it (each
-run starts from a garbage-collected process and a reset torch.compile cache).
+mhar_compiled (reference routing under torch.compile); mhar_fused (routing_kernel.py, the width's launch settings
+and backward); attnres_fused (single head, fused); mhar_block8, attnres_block8 (block routing, 8 blocks); mhar_site,
+attnres_site / mhar_gather, attnres_gather (the fused chain with the site-pass backward / routing_gather.py's,
+forced); hyper (dynamic hyper-connections, 4 streams). The routing share is the time of the routing chain alone at
+the same shape (time_chain below; the fused chain replayed from a CUDA graph, i.e. GPU time) over the step time: an
+estimate, since in the step the chain's launches overlap the sublayers' work. Peak memory: the most allocated during
+the run, warm-up and graph capture included, above what the process held before it (each run starts from a
+garbage-collected process and a reset torch.compile cache).
 
 2. `python bench.py routing`: the routing chain alone (every site of a model, forward and backward, an elementwise
 sublayer between sites), fused against the reference, at the paper's Table 5 shapes and training microbatches:
@@ -97,14 +97,20 @@ def scale_config(scale, vocab):
     return dict(spec, vocab_size=vocab if scale != "tiny" else 1024), micro_batch
 
 
+def forced_backward(d, H, backward):
+    """The width's launch settings with the chain's backward forced ("site" or "gather": the *_site / *_gather
+    variants)."""
+    return replace(rk.config_for(d, H), backward=backward)
+
+
 def build(scale, variant, device, compile_model, vocab):
     kw, B = scale_config(scale, vocab)
     v = dict(VARIANTS[variant])
     compile_routing, backward = v.pop("compile_routing", True), v.pop("backward", None)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**kw, **v)).to(device)
-    if backward:   # the fused chain's other backward, with the width's launch settings otherwise
-        model.routing_config = replace(rk.config_for(model.cfg.n_embd, model.cfg.heads), backward=backward)
+    if backward:
+        model.routing_config = forced_backward(model.cfg.n_embd, model.cfg.heads, backward)
     if compile_model:
         model.compile_sublayers()
         if not compile_routing:
@@ -236,7 +242,7 @@ def routing_ms(scale, variant, device, vocab):
     H = 1 if v["residual"] == "attnres" else kw["n_kv_head"]
     impl = "fused" if v["routing_impl"] == "fused" else "compiled" if v.get("compile_routing", True) else "eager"
     ref = torch.compile(route_reference, dynamic=True) if impl == "compiled" else None
-    config = replace(rk.config_for(kw["n_embd"], H), backward=v["backward"]) if "backward" in v else None
+    config = forced_backward(kw["n_embd"], H, v["backward"]) if "backward" in v else None
     ms, _ = time_chain(impl, 2 * kw["n_layer"] + 1, B, kw["block_size"], kw["n_embd"], H, device, ref, graph=impl == "fused",
                        config=config, blocks=v.get("route_blocks"))
     return ms

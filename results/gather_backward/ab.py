@@ -8,13 +8,11 @@ each pair), the peak memory of one pass and the GPU time per kernel (torch profi
 usage: python results/gather_backward/ab.py OUT.json [SHAPE ...]   (SHAPE: a name below; default all)"""
 import json
 import sys
-from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, ".")
 import bench  # noqa: E402
-import routing_kernel as rk  # noqa: E402
 
 # (name, L, d, MHAR's H, B, T): bench.py's training microbatches
 SHAPES = [s for s in bench.CHAIN_SHAPES if s[0].endswith("-train")]
@@ -26,8 +24,8 @@ for name, L, d, H_mhar, B, T in SHAPES:
         continue
     N = 2 * L + 1
     for H in (H_mhar, 1):
-        site = replace(rk.config_for(d, H), backward="site")   # (a width may ship either backward)
-        configs = {"site": site, "gather": replace(site, backward="gather")}
+        # (a width may ship either backward)
+        configs = {k: bench.forced_backward(d, H, k) for k in ("site", "gather")}
         errs = {k: bench.check_against_reference(N, B, T, d, H, torch.bfloat16, "cuda", c) for k, c in configs.items()}
         times = {k: [] for k in configs}
         for k in ("site", "gather", "gather", "site"):
@@ -39,6 +37,6 @@ for name, L, d, H_mhar, B, T in SHAPES:
             print(f"{name:11s} H={H:<2d} {k:6s} {ms:7.3f} ms  peak {peak:5.2f} GB  err " +
                   " ".join(f"{e} {v:.2e}" for e, v in errs[k].items()) + f"  kernels (ms) {kernels}", flush=True)
         print(f"{name:11s} H={H:<2d} gather / site: {rows[-1]['ms'] / rows[-2]['ms']:.3f}", flush=True)
-print("check 2^21 tokens, gather backward:", bench.check_large("cuda", replace(rk.config_for(1024, 8), backward="gather")),
+print("check 2^21 tokens, gather backward:", bench.check_large("cuda", bench.forced_backward(1024, 8, "gather")),
       flush=True)
 json.dump(rows, open(sys.argv[1], "w"), indent=1)
