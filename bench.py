@@ -424,23 +424,22 @@ def chain_step(impl, N, B, T, d, H, device, route_fn=route_reference, config=Non
     """A closure running one chain forward + backward (bf16 sources, the sublayer x + shift: one add per site): impl
     "fused" (routing_kernel.FusedRouter), "authors" (the authors' fused kernel, `authors` its module: load_authors),
     "fla" / "liger" (a single-head peer, `authors` its routing call: load_peers; H must be 1), else the reference
-    route_fn over the stacked history. blocks = n: block routing (model.BlockDepthHistory over the N - 1 sublayers in n
-    blocks), per site route_stack (fused) or route_fn."""
+    route_fn over the stacked history. blocks = n: block routing over the N - 1 sublayers in n blocks (fused:
+    routing_block.BlockChain; else model.BlockDepthHistory, route_fn over each site's stacked sources)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     src = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
     qs = [(torch.randn(d, device=device, generator=gen) * 0.5).requires_grad_(True) for _ in range(N)]
     gs = [torch.ones(d, device=device, requires_grad=True) for _ in range(N)]
     up = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen)
     shift = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen)
-    router = rk.FusedRouter(N, H, 1e-6, config)
+    router = rk.FusedRouter(N, H, 1e-6, config, blocks)
 
     def step():
-        if blocks:
-            call = functools.partial(rk.route_stack, config=config) if impl == "fused" else \
-                lambda srcs, *args: route_fn(torch.stack(srcs), *args)
-            hist = BlockDepthHistory(range(N), (N - 1) // blocks, lambda j, srcs: call(srcs, qs[j], gs[j], H, 1e-6))
+        if blocks and impl != "fused":
+            hist = BlockDepthHistory(range(N), (N - 1) // blocks,
+                                     lambda j, srcs: route_fn(torch.stack(srcs), qs[j], gs[j], H, 1e-6))
             out = run_chain(lambda j, x: hist.route(x), src, N, lambda j, x: x + shift)
-        elif impl == "fused":
+        elif impl == "fused":   # full or block routing
             chain = router.start(src, qs, gs)
             out = run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), src, N, lambda j, x: x + shift)
         elif impl == "authors":   # their context: a source buffer per pass; one launch per site forward, one backward

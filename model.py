@@ -295,9 +295,8 @@ class BlockDepthHistory:
     routing has up to 2L + 1. Kimi's pseudocode and the MHAR authors' block modes route a block's first site over the
     block just completed as their "partial" before storing it; here it is stored first: the same sources in the same
     order. Their blocks hold whole layers (P even); here P may be odd, and P = 1 is full routing, bitwise.
-    route_site(site, sources) routes one site over its list of sources: the reference stacks them, the per-call kernels
-    (routing_kernel.route_stack) read the list and keep no stacked copy for the backward: they save at most 2L + n + 1
-    (B, T, d) tensors, the partial sums and the blocks, where a stack kept per site would hold ~L (n + 2) in all."""
+    route_site(site, sources) routes one site over its list of sources, stacked: the specification. The fused path,
+    routing_block.BlockChain, keeps the same sources in one buffer, each written once, and stacks nothing."""
 
     def __init__(self, sites, per_block, route_site):
         self.sites, self.per_block, self.route_site = sites, per_block, route_site
@@ -491,14 +490,15 @@ class GPT(nn.Module):
         the reference list; with route_blocks, a BlockDepthHistory."""
         sites = self.routing_sites()
         fused = routing is None and self.routing_path(x.device, x.dtype) == "fused"
-        if self.cfg.route_blocks:   # block routing: the per-call kernels (route_stack) on each site's few sources
-            route = self._route_fused if fused else lambda site, srcs: self._route_stack(site, torch.stack(srcs), routing)
-            return BlockDepthHistory(sites, 2 * self.cfg.n_layer // self.cfg.route_blocks, route)
-        if fused:
+        if fused:   # block routing too (route_blocks: FusedRouter's BlockChain, routing_block.py)
             if self._router is None:
                 from routing_kernel import FusedRouter
-                self._router = FusedRouter(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps, self.routing_config)
+                self._router = FusedRouter(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps, self.routing_config,
+                                           self.cfg.route_blocks)
             return FusedDepthHistory(self._router, sites, x)
+        if self.cfg.route_blocks:
+            return BlockDepthHistory(sites, 2 * self.cfg.n_layer // self.cfg.route_blocks,
+                                     lambda site, srcs: self._route_stack(site, torch.stack(srcs), routing))
         return DepthHistory(sites, functools.partial(self._route_stack, routing=routing))
 
     def _route_stack(self, site, stacked, routing=None):
@@ -510,11 +510,6 @@ class GPT(nn.Module):
         out, alpha = route_reference(stacked, site.q, site.gain(), site.heads, site.eps, return_alpha=True)
         routing.append(alpha)
         return out
-
-    def _route_fused(self, site, sources):
-        """routing_kernel.route_stack on one site's list of (B, T, d) sources."""
-        from routing_kernel import route_stack
-        return route_stack(sources, site.q, site.gain(), site.heads, site.eps, config=self.routing_config)
 
     def _delta_forward(self, x, cos, sin, routing, cache=None):
         """Delta form (paper section 3.3, Appendix E; grafting onto a pretrained model): the residual stream x stays,

@@ -35,6 +35,7 @@ channel the forward, the site pass and the gather each read 2 bytes (bf16), ~6 P
 reads and an fp32 read-modify-write per pair); a launch ~4 us per source it reads plus ~26-30 us (H200); eager, ~240 us
 of host time per site (routing_config.Launcher calls the compiled launchers directly). Measured times: BENCHMARKS.md.
 """
+import functools
 import weakref
 
 import torch
@@ -103,8 +104,9 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
         scale, p = tl.exp(m_i - m_new), tl.exp(logit - m_new)
         return m_new, l_i * scale + p, scale, p
 
-    # Sources: an optional null vector (broadcast over tokens; delta mode) as row 0 of DA / LG, then HIST [N, M, d]
-    # with RMS factors R [N, M]. A program owns a (token block, head): a [BLOCK_M, BLOCK_D] tile, D padded to 2^k.
+    # Sources: an optional null vector (broadcast over tokens; delta mode) as row 0 of DA / LG, then N of HIST [., M, d]
+    # with RMS factors R [., M]: slots 0..N-2 and, for the last, slot N-1+SKIP (block routing: the open block's partial
+    # sum, kept apart). A program owns a (token block, head): a [BLOCK_M, BLOCK_D] tile, D padded to 2^k.
 
     @triton.jit
     def _null_source(NULL, h, cols, cmask, eps, DM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -130,7 +132,7 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
         HIST, R,        # [N, M, DM] history sources, [N, M] fp32 RMS factors
         NULL, Q, G,     # [DM] the null source (read if HAS_NULL), query and key gain
         OUT, LSE,       # [M, DM] routed output (the history's dtype), [H, M] fp32 log-sum-exp (for backward)
-        M, N, eps,      # tokens, history sources, RMS eps
+        M, N, SKIP, eps,   # tokens, history sources, the last one's slot offset, RMS eps
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_C: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr):
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
@@ -142,7 +144,7 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
             s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
         for n in tl.range(0, N, num_stages=STAGES):   # each source tile is read once
-            s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
+            s, r = _source(HIST, R, n + SKIP * (n == N - 1), M, tile, mask, rows64, rmask, DM)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
         tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
         tl.store(LSE + h.to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
@@ -160,7 +162,7 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
     def _call_bwd_site(
         HIST, R, NULL, Q, G, LSE,   # as in _call_fwd (read); GOUT [M, DM] the upstream gradient, contiguous
         GOUT, DA, LG, C,            # DA, LG [HAS_NULL + N, H, M] fp32 per-source da, logit; C [H, M] fp32 c
-        PART, M, N, eps,            # [token blocks, DM] fp32 partial sums of dw
+        PART, M, N, SKIP, eps,      # [token blocks, DM] fp32 partial sums of dw
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_C: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr):
         # dw = sum_n alpha r (da - c) s = P - c Q per token, in one pass: c is known only at the end
@@ -176,7 +178,7 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
             c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG, h.to(tl.int64) * M + rows64,
                                               rmask)
         for n in tl.range(0, N, num_stages=STAGES):
-            s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
+            s, r = _source(HIST, R, n + SKIP * (n == N - 1), M, tile, mask, rows64, rmask, DM)
             c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG,
                                               ((n + HAS_NULL) * H + h).to(tl.int64) * M + rows64, rmask)
         tl.store(C + h.to(tl.int64) * M + rows64, c, mask=rmask)
@@ -197,9 +199,9 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
     @triton.jit
     def _call_bwd_sources(
         HIST, R, NULL, Q, G, LSE, GOUT, DA, LG, C,   # as above (read)
-        DHIST, PARTNULL, M, N, eps, inv_dm,   # [N, M, DM] the history's gradient; [token blocks, DM] the null's partials
-        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr):
+        DHIST, PARTNULL, M, N, SKIP, eps, inv_dm,   # [N, M, DM] the history's gradient; [token blocks, DM] the null's
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,   # partials
+        BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr, ACCUM: tl.constexpr):
         # K couples the heads: each program loads every head's scalars of a source (a [BLOCK_H, BLOCK_M] tile)
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         cols, cmask, mask, tile = _part(h, rows64, rmask, 0, BLOCK_D, DM, D)
@@ -214,10 +216,13 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
             ds = _call_source_grad(s, r, g_up, w, 0, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm, H)
             tl.store(PARTNULL + pm.to(tl.int64) * DM + h * D + cols, tl.sum(tl.where(mask, ds, 0.0), axis=0), mask=cmask)
         for n in tl.range(0, N, num_stages=STAGES):
-            s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
+            s, r = _source(HIST, R, n + SKIP * (n == N - 1), M, tile, mask, rows64, rmask, DM)
             ds = _call_source_grad(s, r, g_up, w, n + HAS_NULL, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M,
                                    inv_dm, H)
-            tl.store(DHIST + (n * M).to(tl.int64) * DM + tile, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
+            dst = DHIST + (n * M).to(tl.int64) * DM + tile
+            if ACCUM:   # add to the gradient there (block routing: a block's gradient summed over the sites reading it)
+                ds += tl.load(dst, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dst, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
 
 
 @torch.no_grad()
@@ -234,54 +239,63 @@ def _call_launch(setting, M, d, heads, config):
     return (triton.cdiv(M, bm) * heads,), bm, warps, stages, shape
 
 
+def call_forward(hist, r, null, q, g, heads, eps, config, n=None, skip=0):
+    """Rung 1's forward over n sources of hist [., M, d] (default all; the last read skip slots further on), RMS
+    factors r [., M]: (out [M, d], lse [heads, M])."""
+    (N, M, d), f32 = hist.shape, dict(dtype=torch.float32, device=hist.device)
+    grid, _, warps, stages, shape = _call_launch(config.call_fwd, M, d, heads, config)
+    out, lse = torch.empty(M, d, dtype=hist.dtype, device=hist.device), torch.empty(heads, M, **f32)
+    _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=N if n is None
+                    else n, SKIP=skip, eps=eps, **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
+    return out, lse
+
+
+def call_backward(hist, r, null, q, g, lse, gout, heads, eps, config, n=None, skip=0, dhist=None):
+    """Rung 1's backward (the site pass, then the source pass), sources as call_forward's: (dhist, dnull, dq, dg);
+    given dhist, the sources' gradients are added to its first n slots."""
+    (N, M, d), H, has_null, n = hist.shape, heads, int(null is not None), hist.size(0) if n is None else n
+    args = dict(HIST=hist, R=r, NULL=null if has_null else q, Q=q, G=g, LSE=lse, GOUT=gout.to(hist.dtype).contiguous(),
+                M=M, N=n, SKIP=skip, eps=eps, HAS_NULL=has_null)
+    f32 = dict(dtype=torch.float32, device=hist.device)
+    da, lg, c = torch.empty(n + has_null, H, M, **f32), torch.empty(n + has_null, H, M, **f32), torch.empty(H, M, **f32)
+    grid, bm, warps, stages, shape = _call_launch(config.call_site, M, d, H, config)
+    part = torch.empty(triton.cdiv(M, bm), d, **f32)
+    _call_bwd_site[grid](**args, DA=da, LG=lg, C=c, PART=part, **shape, STAGES=stages, num_warps=warps)
+    grid, bm, warps, stages, shape = _call_launch(config.call_sources, M, d, H, config)
+    accum, dhist = dhist is not None, torch.empty_like(hist) if dhist is None else dhist
+    partnull = torch.empty(triton.cdiv(M, bm), d, **f32) if has_null else part
+    _call_bwd_sources[grid](**args, DA=da, LG=lg, C=c, DHIST=dhist, PARTNULL=partnull, inv_dm=1.0 / d, **shape,
+                            BLOCK_H=triton.next_power_of_2(H), STAGES=stages, ACCUM=accum, num_warps=warps)
+    dw, dnull = part.sum(0), partnull.sum(0).to(null.dtype) if has_null else None
+    return dhist, dnull, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype)
+
+
 class _RouteCall(torch.autograd.Function):
-    """One call; sources: one stacked (N, M, d) tensor, or N (M, d) ones stacked only while a kernel runs (none kept)."""
     @staticmethod
-    def forward(ctx, r, null, q, g, heads, eps, config, *sources):
-        hist = sources[0] if sources[0].dim() == 3 else torch.stack(sources)
-        (N, M, d), r = hist.shape, rms_factors(hist, eps) if r is None else r
-        grid, _, warps, stages, shape = _call_launch(config.call_fwd, M, d, heads, config)
-        out = torch.empty(M, d, dtype=hist.dtype, device=hist.device)
-        lse = torch.empty(heads, M, dtype=torch.float32, device=hist.device)
-        _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=N, eps=eps,
-                        **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
-        ctx.save_for_backward(r, null, q, g, lse, *sources)
+    def forward(ctx, hist, r, null, q, g, heads, eps, config):
+        r = rms_factors(hist, eps) if r is None else r
+        out, lse = call_forward(hist, r, null, q, g, heads, eps, config)
+        ctx.save_for_backward(hist, r, null, q, g, lse)
         ctx.heads, ctx.eps, ctx.config = heads, eps, config
         return out
 
     @staticmethod
     def backward(ctx, gout):
-        r, null, q, g, lse, *sources = ctx.saved_tensors
-        hist = sources[0] if sources[0].dim() == 3 else torch.stack(sources)
-        (N, M, d), H, has_null = hist.shape, ctx.heads, int(null is not None)
-        args = dict(HIST=hist, R=r, NULL=null if has_null else q, Q=q, G=g, LSE=lse, GOUT=gout.to(hist.dtype).contiguous(),
-                    M=M, N=N, eps=ctx.eps, HAS_NULL=has_null)
-        f32 = dict(dtype=torch.float32, device=hist.device)
-        da, lg, c = torch.empty(N + has_null, H, M, **f32), torch.empty(N + has_null, H, M, **f32), torch.empty(H, M, **f32)
-        grid, bm, warps, stages, shape = _call_launch(ctx.config.call_site, M, d, H, ctx.config)
-        part = torch.empty(triton.cdiv(M, bm), d, **f32)
-        _call_bwd_site[grid](**args, DA=da, LG=lg, C=c, PART=part, **shape, STAGES=stages, num_warps=warps)
-        grid, bm, warps, stages, shape = _call_launch(ctx.config.call_sources, M, d, H, ctx.config)
-        dhist = torch.empty_like(hist)
-        partnull = torch.empty(triton.cdiv(M, bm), d, **f32) if has_null else part
-        _call_bwd_sources[grid](**args, DA=da, LG=lg, C=c, DHIST=dhist, PARTNULL=partnull, inv_dm=1.0 / d, **shape,
-                                BLOCK_H=triton.next_power_of_2(H), STAGES=stages, num_warps=warps)
-        dw, dnull = part.sum(0), partnull.sum(0).to(null.dtype) if has_null else None
-        return (None, dnull, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype), None, None, None,
-                *((dhist,) if sources[0].dim() == 3 else dhist.unbind(0)))
+        hist, r, null, q, g, lse = ctx.saved_tensors
+        dhist, dnull, dq, dg = call_backward(hist, r, null, q, g, lse, gout, ctx.heads, ctx.eps, ctx.config)
+        return dhist, None, dnull, dq, dg, None, None, None
 
 
 @torch.compiler.disable
 def route_stack(sources, q, g, heads, eps, null=None, r=None, config=None):
     """model.route_reference fused: stacked sources (N, B, T, d) -> (B, T, d); null (d,) an extra first source (delta
-    mode), r = rms_factors(sources) when calls share it; or a list of (B, T, d) sources, none stacked for the backward
-    (block routing). Stateless: composes with FSDP and activation checkpointing."""
-    B, T, d = sources[0].shape
-    check_envelope(d, heads, sources[0].dtype)
+    mode), r = rms_factors(sources) when calls share it. Stateless: composes with FSDP and activation checkpointing."""
+    N, B, T, d = sources.shape
+    check_envelope(d, heads, sources.dtype)
     announce(config := config or config_for(d, heads), d, heads)
-    flat = [sources.flatten(1, 2).contiguous()] if torch.is_tensor(sources) else [s.flatten(0, 1) for s in sources]
-    return _RouteCall.apply(None if r is None else r.reshape(-1, B * T).contiguous(), None if null is None else
-                            null.to(sources[0].dtype).contiguous(), q, g, heads, eps, config, *flat).view(B, T, d)
+    return _RouteCall.apply(sources.flatten(1, 2).contiguous(), None if r is None else r.reshape(N, B * T).contiguous(),
+                            None if null is None else null.to(sources.dtype).contiguous(), q, g, heads, eps, config
+                            ).view(B, T, d)
 
 
 # ---- rung 2: the chain of one forward/backward pass (the whole depth history in one buffer) --------------------------
@@ -751,12 +765,15 @@ class RoutingChain:
         chain returns every site's at site 1)."""
         return ()
 
-    def forward_site(self, j, new_source, q, g):
+    def _expect_forward(self, j):
         if self.next_bwd is not None:
             raise RuntimeError(f"fused routing: site {j} ran forward after this pass's forward had finished. Activation "
                                "checkpointing may wrap sublayers, never routing calls; or use routing_impl='reference'")
         if j != self.next_fwd:
             raise RuntimeError(f"fused routing: site {j} ran forward, expected site {self.next_fwd} (sites run 1..N in order)")
+
+    def forward_site(self, j, new_source, q, g):
+        self._expect_forward(j)
         out = torch.empty(self.M, self.d, dtype=self.dtype, device=new_source.device)
         lead = j in self.fwd_lead and self.queries is not None and not self.following
         grid, bm, warps, stages, parts = self.launch["fwd_lead" if lead else "fwd"]
@@ -825,24 +842,25 @@ class _RouteSite(torch.autograd.Function):
 class FusedRouter:
     """One per model: start() returns a pass's chain, whose route() runs a site. config: a RoutingConfig or config_for."""
 
-    def __init__(self, n_sites, heads, eps, config=None):
-        self.N, self.H, self.eps, self.config, self.chain = n_sites, heads, eps, config, None
+    def __init__(self, n_sites, heads, eps, config=None, blocks=None):
+        self.N, self.H, self.eps, self.config, self.chain, self.blocks = n_sites, heads, eps, config, None, blocks
 
     def start(self, x, queries=None, gains=None):
         """The chain of a pass from x (B, T, d); queries, gains (every site's, in order) let sites lead (lead_schedule)."""
-        (B, T, d), c = x.shape, self.chain
+        (B, T, d), c, chain = x.shape, self.chain, RoutingChain
+        if self.blocks:   # block routing (route_blocks): routing_block.py, which imports this module
+            from routing_block import BlockChain
+            chain = functools.partial(BlockChain, blocks=self.blocks)
+        elif (self.config or config_for(d, self.H)).backward == "gather" and torch.is_grad_enabled():
+            from routing_gather import GatherChain as chain   # (it imports this module)
         if not torch.is_grad_enabled():
-            c = RoutingChain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, False, self.config)
+            c = chain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, False, self.config)
         elif c is not None and c.pending():
             raise RuntimeError("fused routing: a second forward started before the first forward's backward (one depth "
                                "history per model): call backward first, evaluate under torch.no_grad(), or use "
                                "routing_impl='reference'")
-        elif c is None or (c.M, c.d, c.dtype, c.S.device) != (B * T, d, x.dtype, x.device):
+        elif c is None or (c.M, c.d, c.dtype, c.R.device) != (B * T, d, x.dtype, x.device):
             self.chain = None   # free the old buffers before allocating new ones
-            if (self.config or config_for(d, self.H)).backward == "gather":
-                from routing_gather import GatherChain as chain   # (it imports this module)
-            else:
-                chain = RoutingChain
             c = self.chain = chain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True, self.config)
         c.reset(queries, gains)
         return c

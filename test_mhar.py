@@ -897,22 +897,22 @@ def test_fused_model_matches_reference(mode, H):
 @pytest.mark.parametrize("mode,H", [("attnres", None), ("mhar", 2)])
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_fused_block_routing_matches_reference(mode, H, n):
-    """Block routing on the per-call kernels (route_stack at every site) against the reference: logits and every
-    gradient, L = 4 in n = 1, 2 (L / 2) and 8 (2L: full routing's sources) blocks. The backward keeps the sources
-    themselves, never a stacked (N, B*T, d) copy per site (which route_stack over a stack would keep)."""
+    """Block routing's fused path (routing_block.BlockChain) against the reference: logits and every gradient, L = 4 in
+    n = 1, 2 (L / 2) and 8 (2L: full routing's sources) blocks. Its backward keeps no stacked copy of a site's sources
+    (the reference keeps one per site, which the check sees)."""
     fused = fused_model_vs_reference(residual=mode, route_heads=H, route_blocks=n, n_layer=4)
-    idx, stacks = torch.randint(0, 96, (2, 19), device=DEVICE), []
+    ref = GPT(tiny_cfg(residual=mode, route_heads=H, route_blocks=n, n_layer=4)).to(DEVICE)
+    idx = torch.randint(0, 96, (2, 19), device=DEVICE)
+    for model, stacks_kept in ((fused, False), (ref, True)):
+        stacks = []
 
-    def pack(t):
-        if t.dim() == 3 and t.shape[1:] == (2 * 19, 48) and t.size(0) > 1:   # a stack of several sources' tokens
-            stacks.append(t.shape)
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fused(idx, idx)
-        assert not stacks, stacks
-        fused._route_fused = lambda site, srcs: rk.route_stack(torch.stack(srcs), site.q, site.gain(), site.heads, site.eps)
-        fused(idx, idx)   # the check sees a stack when there is one
-    assert stacks, n
+        def pack(t):   # a stack of several sources: (k, 2, 19, 48) or (k, 2 * 19, 48), k > 1
+            if t.dim() >= 3 and t.shape[-1] == 48 and t.shape[0] > 1 and t.numel() == t.shape[0] * 2 * 19 * 48:
+                stacks.append(t.shape)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(idx, idx)[1].backward()
+        assert bool(stacks) == stacks_kept, (stacks, n)
 
 
 def test_fused_model_shared_reads():
@@ -2504,8 +2504,9 @@ def test_bench_peers():
 
 
 def test_bench_block_chain():
-    """bench.py's routing chain under block routing (what routing_ms times for the *_block8 variants): the per-call
-    kernels against the reference over the same block sources, and one sublayer a block is the full chain, bitwise."""
+    """bench.py's routing chain under block routing (what routing_ms times for the *_block8 variants): the fused block
+    chain (routing_block.py) against the reference over the same block sources; one sublayer a block is the full
+    chain, bitwise."""
     N, B, T, d, H = 9, 2, 5, 32, 2
     run = lambda impl, blocks: (lambda st: st() or st.out.float())(bench.chain_step(impl, N, B, T, d, H, DEVICE, blocks=blocks))
     full = run("reference", None)
