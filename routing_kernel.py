@@ -12,28 +12,27 @@ Backward at site j, with G = dLoss/dout:
     w_j[h], K = sum_j sum_h dlogit_j[n, h] logit_j[n, h] (the RMS term's <u, s_n> spans every head; <w_j[h], s_n[h]> =
     logit_j[n, h] / r_n makes it one scalar, so a program that owns one head needs no other head's vectors).
 
-A ladder. 1: the per-call kernels (_call_*, entry route_stack): one stateless call over stacked sources: a forward
-online softmax, a backward site pass (c, dw, each source's da and logit) and a source pass (each ds). This is the
-algorithm; delta mode runs it with a null source, block routing over a list of sources. 2: the chain kernels (_chain_*,
-entry FusedRouter): the same math over a whole pass, the history in one buffer, each source read once per site forward
-and once per site backward. Autograd runs site j's backward (a function of s_{j-1}, q_j, g_j) after every later site's,
-so site j gathers the whole of ds_{j-1}, in two launches per site backward: _chain_bwd_site (the sources and G_j read
-once: c, dw partials, each pair's da), then _chain_bwd_gather (s_{j-1} and every later G read once: ds_{j-1}; dw to dq,
-dg; and in extra programs the pair pass: alpha, dlogit and K's terms of site j's pairs, per pair with every head).
-Neighbouring sites share reads ("read sharing" blocks): a leading forward also runs site j+1's softmax over s_0..s_{j-1}
-and hands its fp32 state to site j+1, which adds only s_j; a leading gather also sums source j-2's terms over G_j..G_N,
-and site j-1's gather adds only G_{j-1}. Deterministic: every sum has a fixed order. routing_gather.py holds another
-backward for the same forward, without the site pass (RoutingConfig.backward = "gather", chosen per width: TUNED_H200).
+A ladder. 1: the per-call kernels (_call_*, entries route_stack, call_forward / call_backward): one stateless call: a
+forward online softmax, a backward site pass (c, dw, each source's da and logit) and a source pass (each ds). This is
+the algorithm; delta mode runs it with a null source, routing_block.py's block routing on a buffer of block sums.
+2: the chain kernels (_chain_*, entry FusedRouter): the same math over a whole pass, the history in one buffer, each
+source read once per site forward and once per site backward. Autograd runs site j's backward (a function of s_{j-1},
+q_j, g_j) after every later site's, so site j gathers the whole of ds_{j-1}, in two launches per site backward:
+_chain_bwd_site (the sources and G_j read once: c, dw partials, each pair's da), then _chain_bwd_gather (s_{j-1} and
+every later G read once: ds_{j-1}; dw to dq, dg; and in extra programs the pair pass: alpha, dlogit and K's terms of
+site j's pairs, per pair with every head). Neighbouring sites share reads ("read sharing" blocks): a leading forward
+also runs site j+1's softmax over s_0..s_{j-1} and hands its fp32 state to site j+1, which adds only s_j; a leading
+gather also sums source j-2's terms over G_j..G_N, and site j-1's gather adds only G_{j-1}. Deterministic: every sum
+has a fixed order. routing_gather.py: another backward for the same forward, without the site pass (per width).
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets; pair (j, n) is row j(j-1)/2 + n of P = N(N+1)/2): S, GB [N, M, d]
 sources, upstream gradients (activation dtype); fp32 R [N, M], W [N, d], LSE, C [N, H, M], DA, LG [P, H, M] (da, logit;
-then dlogit, alpha), KP [P, M], lead state PACC [M, d], PML [2, H, M], PK [M].
-Envelope: bf16 / fp16 / fp32 sources, math in fp32; d % H == 0, D >= 16 (any D); any number of sources (tests: 145 on
-CUDA); > 2^31 elements per buffer; T = 1. Outside it a ValueError names the limit (routing_config.check_envelope, beside
-the launch settings: tile, warps and stages per kernel, tuned per width). Cost model: per (source, site) pair and
-channel the forward, the site pass and the gather each read 2 bytes (bf16), ~6 P d bytes per token (~14 for two backward
-reads and an fp32 read-modify-write per pair); a launch ~4 us per source it reads plus ~26-30 us (H200); eager, ~240 us
-of host time per site (routing_config.Launcher calls the compiled launchers directly). Measured times: BENCHMARKS.md.
+then dlogit, alpha), KP [P, M], lead state PACC [M, d], PML [2, H, M], PK [M]. Envelope: bf16 / fp16 / fp32 sources,
+math in fp32; d % H == 0, D >= 16 (any D); any number of sources (tests: 145 on CUDA); > 2^31 elements per buffer;
+T = 1; outside it a ValueError names the limit (routing_config.check_envelope, beside the launch settings: tile, warps
+and stages per kernel, tuned per width). Cost: the forward, the site pass and the gather each read a pair's source
+(bf16: 2 bytes per channel each); a launch ~4 us per source it reads plus ~26-30 us (H200); eager, ~240 us of host
+time per site (routing_config.Launcher calls the compiled launchers directly). Measured: BENCHMARKS.md.
 """
 import functools
 import weakref
@@ -240,30 +239,29 @@ def _call_launch(setting, M, d, heads, config):
 
 
 def call_forward(hist, r, null, q, g, heads, eps, config, n=None, skip=0):
-    """Rung 1's forward over n sources of hist [., M, d] (default all; the last read skip slots further on), RMS
+    """Rung 1's forward over n sources of hist [., M, d] (default all; the last one read skip slots on) with RMS
     factors r [., M]: (out [M, d], lse [heads, M])."""
-    (N, M, d), f32 = hist.shape, dict(dtype=torch.float32, device=hist.device)
+    M, d = hist.shape[1:]
     grid, _, warps, stages, shape = _call_launch(config.call_fwd, M, d, heads, config)
-    out, lse = torch.empty(M, d, dtype=hist.dtype, device=hist.device), torch.empty(heads, M, **f32)
-    _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=N if n is None
-                    else n, SKIP=skip, eps=eps, **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
+    out, lse = torch.empty(M, d, dtype=hist.dtype, device=hist.device), r.new_empty(heads, M)
+    _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=n or len(hist),
+                    SKIP=skip, eps=eps, **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
     return out, lse
 
 
 def call_backward(hist, r, null, q, g, lse, gout, heads, eps, config, n=None, skip=0, dhist=None):
-    """Rung 1's backward (the site pass, then the source pass), sources as call_forward's: (dhist, dnull, dq, dg);
-    given dhist, the sources' gradients are added to its first n slots."""
-    (N, M, d), H, has_null, n = hist.shape, heads, int(null is not None), hist.size(0) if n is None else n
+    """Rung 1's backward (site pass, source pass), sources as call_forward's: (dhist, dnull, dq, dg); given dhist, the
+    sources' gradients are added to its first n slots."""
+    (M, d), H, has_null, n = hist.shape[1:], heads, int(null is not None), n or len(hist)
     args = dict(HIST=hist, R=r, NULL=null if has_null else q, Q=q, G=g, LSE=lse, GOUT=gout.to(hist.dtype).contiguous(),
                 M=M, N=n, SKIP=skip, eps=eps, HAS_NULL=has_null)
-    f32 = dict(dtype=torch.float32, device=hist.device)
-    da, lg, c = torch.empty(n + has_null, H, M, **f32), torch.empty(n + has_null, H, M, **f32), torch.empty(H, M, **f32)
+    da, lg, c = r.new_empty(n + has_null, H, M), r.new_empty(n + has_null, H, M), r.new_empty(H, M)
     grid, bm, warps, stages, shape = _call_launch(config.call_site, M, d, H, config)
-    part = torch.empty(triton.cdiv(M, bm), d, **f32)
+    part = r.new_empty(triton.cdiv(M, bm), d)   # (r: fp32)
     _call_bwd_site[grid](**args, DA=da, LG=lg, C=c, PART=part, **shape, STAGES=stages, num_warps=warps)
     grid, bm, warps, stages, shape = _call_launch(config.call_sources, M, d, H, config)
-    accum, dhist = dhist is not None, torch.empty_like(hist) if dhist is None else dhist
-    partnull = torch.empty(triton.cdiv(M, bm), d, **f32) if has_null else part
+    partnull, accum = r.new_empty(triton.cdiv(M, bm), d) if has_null else part, dhist is not None
+    dhist = torch.empty_like(hist) if dhist is None else dhist
     _call_bwd_sources[grid](**args, DA=da, LG=lg, C=c, DHIST=dhist, PARTNULL=partnull, inv_dm=1.0 / d, **shape,
                             BLOCK_H=triton.next_power_of_2(H), STAGES=stages, ACCUM=accum, num_warps=warps)
     dw, dnull = part.sum(0), partnull.sum(0).to(null.dtype) if has_null else None
@@ -273,16 +271,14 @@ def call_backward(hist, r, null, q, g, lse, gout, heads, eps, config, n=None, sk
 class _RouteCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hist, r, null, q, g, heads, eps, config):
-        r = rms_factors(hist, eps) if r is None else r
+        ctx.heads, ctx.eps, ctx.config, r = heads, eps, config, rms_factors(hist, eps) if r is None else r
         out, lse = call_forward(hist, r, null, q, g, heads, eps, config)
         ctx.save_for_backward(hist, r, null, q, g, lse)
-        ctx.heads, ctx.eps, ctx.config = heads, eps, config
         return out
 
     @staticmethod
     def backward(ctx, gout):
-        hist, r, null, q, g, lse = ctx.saved_tensors
-        dhist, dnull, dq, dg = call_backward(hist, r, null, q, g, lse, gout, ctx.heads, ctx.eps, ctx.config)
+        dhist, dnull, dq, dg = call_backward(*ctx.saved_tensors, gout, ctx.heads, ctx.eps, ctx.config)
         return dhist, None, dnull, dq, dg, None, None, None
 
 

@@ -63,7 +63,7 @@ import checkpoint  # noqa: E402
 import graphs  # noqa: E402
 from bench import run_chain  # noqa: E402   (N routing sites with a sublayer between them, like a model's)
 from graphs import DecodeGraph  # noqa: E402
-from model import GPT, GPTConfig, peak_flops, route_reference  # noqa: E402
+from model import GPT, BlockDepthHistory, GPTConfig, peak_flops, route_reference  # noqa: E402
 from generation import KVCache  # noqa: E402
 
 
@@ -2514,6 +2514,37 @@ def test_bench_block_chain():
     for blocks in (1, 2, 4):
         ref = run("reference", blocks)
         assert rel_err(run("fused", blocks), ref) < 1e-2 and rel_err(ref, full) > 1e-3, blocks   # bf16 sources
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 12])
+def test_block_chain_bf16_gradients(blocks):
+    """Block routing's fused chain in bf16 (13 sites, d 48, H 3: awkward shapes): its output and every gradient (the
+    first source's, every q and g) as close to a float64 reference as the bf16 reference itself is, the gradients
+    summed in the sources' dtype as autograd sums the reference's."""
+    N, B, T, d, H = 13, 2, 7, 48, 3
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randn(B, T, d, generator=gen).bfloat16()
+    qs, gs = torch.randn(N, d, generator=gen) * 0.5, 1 + 0.1 * torch.randn(N, d, generator=gen)
+    shifts, up = torch.randn(N, B, T, d, generator=gen).bfloat16(), torch.randn(B, T, d, generator=gen).double()
+
+    def run(impl, dtype):
+        s0, q, g = (t.to(DEVICE, dtype).clone().requires_grad_(True) for t in (src, qs.to(dtype), gs.to(dtype)))
+        if impl == "fused":
+            chain = rk.FusedRouter(N, H, 1e-6, None, blocks).start(s0)
+            route = lambda j, x: chain.route(j, x, q[j - 1], g[j - 1])
+        else:
+            hist = BlockDepthHistory(range(N), (N - 1) // blocks,
+                                     lambda j, srcs: route_reference(torch.stack(srcs), q[j], g[j], H, 1e-6))
+            route = lambda j, x: hist.route(x)
+        x = s0
+        for j in range(1, N + 1):
+            x = route(j, x)
+            x = x * 1.5 + shifts[j - 1].to(x) if j < N else x
+        (x.double() * up.to(x.device)).sum().backward()
+        return [x.double(), s0.grad.double(), q.grad.double(), g.grad.double()]
+    exact, ref, fused = run("reference", torch.float64), run("reference", torch.bfloat16), run("fused", torch.bfloat16)
+    for name, e, r, f in zip(("out", "d src", "dq", "dg"), exact, ref, fused):
+        assert rel_err(f, e) < 1.2 * rel_err(r, e) + 1e-3, (name, rel_err(f, e), rel_err(r, e))
 
 
 def test_bench_routing_heads_option():
