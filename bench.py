@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 import graphs
+import routing_call
 import routing_kernel as rk
 import train
 from model import GPT, BlockDepthHistory, GPTConfig, route_reference
@@ -545,7 +546,7 @@ def check_large(device, config=None):
 def time_delta(impl, device, B=2, T=4096, d=4096, H=8, n_layer=32, num_blocks=8):
     """All 2L delta routing calls of a forward + backward: block b's sites mix null + b + 1 history sources.
     reference-ckpt: route_reference on the stacked sources, each call under activation checkpointing (as the
-    paper's reference), fused: routing_kernel.route_stack. Returns (median ms, peak GB above the inputs)."""
+    paper's reference), fused: routing_call.route_stack. Returns (median ms, peak GB above the inputs)."""
     from triton.testing import do_bench
     gen = torch.Generator(device=device).manual_seed(0)
     history = [torch.randn(B, T, d, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
@@ -562,9 +563,9 @@ def time_delta(impl, device, B=2, T=4096, d=4096, H=8, n_layer=32, num_blocks=8)
         for k, (null, q, g) in enumerate(sites):
             if k % per_block == 0:
                 hist = torch.stack(history[: k // per_block + 1])
-                r = rk.rms_factors(hist, 1e-6) if impl == "fused" else None
+                r = routing_call.rms_factors(hist, 1e-6) if impl == "fused" else None
             if impl == "fused":
-                out = rk.route_stack(hist, q, g, H, 1e-6, null=null, r=r)
+                out = routing_call.route_stack(hist, q, g, H, 1e-6, null=null, r=r)
             else:
                 out = torch.utils.checkpoint.checkpoint(ref_call, hist, null, q, g, use_reentrant=False)
             total = out if total is None else total + out

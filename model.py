@@ -522,9 +522,9 @@ class GPT(nn.Module):
             if k and k % per_block == 0:                           # a block just completed: its delta is a source
                 history.append(x - start)
                 start = x
-            if fused:   # routing_kernel.route_stack: the history stacked once per block, the null as an extra source
+            if fused:   # routing_call.route_stack: the history stacked once per block, the null as an extra source
                 if k % per_block == 0:
-                    from routing_kernel import rms_factors, route_stack
+                    from routing_call import rms_factors, route_stack
                     hist = torch.stack(history)                    # (N, B, T, d)
                     r = rms_factors(hist, self.cfg.norm_eps)
                 routed = route_stack(hist, site.q, site.gain(), site.heads, site.eps, null=site.null, r=r,

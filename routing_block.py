@@ -2,7 +2,7 @@
 Block routing's fused path (Block AttnRes, Kimi arXiv 2603.15031; H > 1 its multi-head form). The definition and the
 reference are model.BlockDepthHistory's: the 2L sublayers form n blocks of P = 2L / n; site j mixes the embedding,
 each completed block's sum and the open block's partial sum, at most n + 1 sources, on rung 1's kernels
-(routing_kernel.call_forward / call_backward).
+(routing_call.call_forward / call_backward).
 
 Buffers, not stacks. X [n + 1 + N, M, d] holds every source a pass makes, each written once by one add (_add_rms, which
 also writes its RMS factors to R): slot 0 the embedding, slot b block b's sum, slot n + 1 + i the partial sum after
@@ -19,12 +19,13 @@ an H200 at the training microbatches, against the full chain's ~4 (BENCHMARKS.md
 """
 import torch
 
-from routing_kernel import RoutingChain, announce, call_backward, call_forward, check_envelope, config_for, triton
+from routing_call import call_backward, call_forward
+from routing_kernel import RoutingChain, announce, check_envelope, config_for, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from routing_kernel import _rounded
+    from routing_call import _rounded
 
     @triton.jit
     def _add_rms(PREV, NEW, OUT, R, M, eps, DM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,

@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from routing_call import _rounded
 from routing_config import INTERPRET, _block_m, _split
-from routing_kernel import RoutingChain, _dot2, _rounded
+from routing_kernel import RoutingChain, _dot2
 
 
 @triton.jit

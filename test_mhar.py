@@ -57,6 +57,7 @@ import convert  # noqa: E402
 import eval as evaluate  # noqa: E402
 import prepare_data  # noqa: E402
 import sample  # noqa: E402
+import routing_call  # noqa: E402
 import routing_kernel as rk  # noqa: E402
 import train  # noqa: E402
 import checkpoint  # noqa: E402
@@ -705,7 +706,7 @@ def test_route_stack_matches_reference(null, dtype):
         q, g, nul = (t.to(DEVICE, torch.float64 if impl == "truth" else torch.float32).clone().requires_grad_(True)
                      for t in (q0, g0, n0))
         if impl == "fused":
-            out = rk.route_stack(src, q, g, H, 1e-6, null=nul if null else None, config=SMALL_BLOCKS)
+            out = routing_call.route_stack(src, q, g, H, 1e-6, null=nul if null else None, config=SMALL_BLOCKS)
         else:
             full = torch.cat([nul.to(src.dtype).expand(1, B, T, d), src]) if null else src
             out = route_reference(full, q, g, H, 1e-6)

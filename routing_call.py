@@ -1,0 +1,268 @@
+"""
+Rung 1 of the fused routing (arXiv 2607.27230: Eq. 2-3, Appendix E): one stateless routing call as Triton kernels, the
+algorithm in its plainest fused form, read after model.route_reference. A forward online softmax (_call_fwd), a
+backward site pass (_call_bwd_site: c, dw, each source's da and logit) and a source pass (_call_bwd_sources: each ds);
+entries route_stack (autograd, stacked sources: delta mode) and call_forward / call_backward (the launches: block
+routing, routing_block.py, on its buffer). The helpers here (tiles, one source's load, the softmax step) also serve
+rung 2, the chain of a whole pass (routing_kernel.py).
+
+Math. Site j = 1..N (N = 2L+1) mixes the sources s_0..s_{j-1} (s_0 the embedding, s_n the raw output of sublayer n):
+    r_n = (mean_k s_n[k]^2 + eps)^(-1/2) (RMS over the FULL width d),  w = q * g (the key gain folded into the query)
+    logit[n, h] = r_n <w[h], s_n[h]> (head h = channels [hD, (h+1)D), D = d/H),  alpha = softmax_n(logit),
+    out[h] = sum_n alpha[n, h] s_n[h]
+Backward at site j, with G = dLoss/dout:
+    da[n, h] = <G[h], s_n[h]>,  c[h] = sum_n alpha[n, h] da[n, h],  dlogit[n, h] = alpha[n, h] (da[n, h] - c[h])
+    dw[h] = sum_tokens sum_n dlogit[n, h] r_n s_n[h];   dq = dw g,  dg = dw q
+    ds_n = sum_j alpha_j[n] G_j + r_n u - (r_n^2 / d) K s_n over the sites j that read s_n, u[h] = sum_j dlogit_j[n, h]
+    w_j[h], K = sum_j sum_h dlogit_j[n, h] logit_j[n, h] (the RMS term's <u, s_n> spans every head; <w_j[h], s_n[h]> =
+    logit_j[n, h] / r_n makes it one scalar, so a program that owns one head needs no other head's vectors).
+
+Sources: an optional null vector, then N of a [., M, d] buffer (M = B*T tokens), the last one possibly further on
+(SKIP). Envelope and launch settings: routing_config.py; measured: BENCHMARKS.md.
+"""
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # routing_kernel.available reports it; the model falls back to the reference routing
+    triton = None
+
+from routing_config import _block_m, announce, check_envelope, config_for
+
+
+# ---- rung 1: one stateless routing call over stacked sources (the algorithm) -----------------------------------------
+
+if triton is not None:   # the helpers both rungs use, then rung 1's kernels
+    @triton.jit
+    def _rounded(x, dtype: tl.constexpr):
+        """x (fp32) in dtype, rounded to nearest even (the GPU's bf16 cast; the CPU interpreter would truncate)."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
+    @triton.jit
+    def _rows(M, H: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Head h, token block pm (heads vary fastest: a token block's programs share L2), 64-bit rows, row mask."""
+        pid = tl.program_id(0)
+        h, pm = pid % H, pid // H
+        rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        return h, pm, rows.to(tl.int64), rows < M
+
+    @triton.jit
+    def _part(h, rows64, rmask, C0: tl.constexpr, BLOCK: tl.constexpr, DM: tl.constexpr, D: tl.constexpr):
+        """Columns [C0, C0 + BLOCK) of head h (masked to D): column mask, tile mask, tile offsets in [M, DM]."""
+        cols = C0 + tl.arange(0, BLOCK)
+        cmask = cols < D
+        return cols, cmask, rmask[:, None] & cmask[None, :], rows64[:, None] * DM + h * D + cols[None, :]
+
+    @triton.jit
+    def _head_w(Q, G, h, cols, cmask, D: tl.constexpr):
+        """w = q * g on columns `cols` of head h, fp32 (the key gain folded into the query)."""
+        return tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32) * \
+            tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _source(S, R, n, M, tile, mask, rows64, rmask, DM: tl.constexpr):
+        """Tile of source n of a [N, M, DM] buffer (fp32) and its RMS factors from R [N, M]."""
+        s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
+        return s, tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
+
+    @triton.jit
+    def _softmax_update(m_i, l_i, logit):
+        """New running max, denominator, the factor that rescales the old mix, and the new source's weight."""
+        m_new = tl.maximum(m_i, logit)
+        scale, p = tl.exp(m_i - m_new), tl.exp(logit - m_new)
+        return m_new, l_i * scale + p, scale, p
+
+    # Sources: an optional null vector (broadcast over tokens; delta mode) as row 0 of DA / LG, then N of HIST [., M, d]
+    # with RMS factors R [., M]: slots 0..N-2 and, for the last, slot N-1+SKIP (block routing: the open block's partial
+    # sum, kept apart). A program owns a (token block, head): a [BLOCK_M, BLOCK_D] tile, D padded to 2^k.
+
+    @triton.jit
+    def _null_source(NULL, h, cols, cmask, eps, DM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The null vector's tile (its head slice, broadcast over the rows) and RMS factor (per row)."""
+        sumsq = 0.0
+        for c0 in tl.static_range(0, DM, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            v = tl.load(NULL + cc, mask=cc < DM, other=0.0).to(tl.float32)
+            sumsq += tl.sum(v * v, axis=0)
+        r = tl.zeros((BLOCK_M,), tl.float32) + 1.0 / tl.sqrt(sumsq / DM + eps)
+        s = tl.zeros((BLOCK_M, BLOCK_D), tl.float32) + tl.load(NULL + h * D + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        return s, r
+
+    @triton.jit
+    def _online_softmax_step(m_i, l_i, acc, s, r, w):
+        """Add source s (tile, fp32) with RMS factor r to the running max m_i, denominator l_i and mix acc."""
+        m_i, l_i, scale, p = _softmax_update(m_i, l_i, r * tl.sum(s * w[None, :], axis=1))
+        return m_i, l_i, acc * scale[:, None] + p[:, None] * s
+
+    @triton.jit
+    def _call_fwd(
+        HIST, R,        # [N, M, DM] history sources, [N, M] fp32 RMS factors
+        NULL, Q, G,     # [DM] the null source (read if HAS_NULL), query and key gain
+        OUT, LSE,       # [M, DM] routed output (the history's dtype), [H, M] fp32 log-sum-exp (for backward)
+        M, N, SKIP, eps,   # tokens, history sources, the last one's slot offset, RMS eps
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_C: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr):
+        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
+        cols, cmask, mask, tile = _part(h, rows64, rmask, 0, BLOCK_D, DM, D)
+        w = _head_w(Q, G, h, cols, cmask, D)
+        m_i, l_i = tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        if HAS_NULL:
+            s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
+        for n in tl.range(0, N, num_stages=STAGES):   # each source tile is read once
+            s, r = _source(HIST, R, n + SKIP * (n == N - 1), M, tile, mask, rows64, rmask, DM)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
+        tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
+        tl.store(LSE + h.to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
+
+    @triton.jit
+    def _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG, off, rmask):
+        """One source of the backward site pass: accumulate c, P, Q; store da and the logit."""
+        logit = r * tl.sum(s * w[None, :], axis=1)
+        alpha, da = tl.exp(logit - lse), tl.sum(g_up * s, axis=1)
+        tl.store(DA + off, da, mask=rmask)
+        tl.store(LG + off, logit, mask=rmask)
+        return c + alpha * da, acc_p + (alpha * da * r)[:, None] * s, acc_q + (alpha * r)[:, None] * s
+
+    @triton.jit
+    def _call_bwd_site(
+        HIST, R, NULL, Q, G, LSE,   # as in _call_fwd (read); GOUT [M, DM] the upstream gradient, contiguous
+        GOUT, DA, LG, C,            # DA, LG [HAS_NULL + N, H, M] fp32 per-source da, logit; C [H, M] fp32 c
+        PART, M, N, SKIP, eps,      # [token blocks, DM] fp32 partial sums of dw
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_C: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr):
+        # dw = sum_n alpha r (da - c) s = P - c Q per token, in one pass: c is known only at the end
+        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
+        cols, cmask, mask, tile = _part(h, rows64, rmask, 0, BLOCK_D, DM, D)
+        w = _head_w(Q, G, h, cols, cmask, D)
+        g_up = tl.load(GOUT + tile, mask=mask, other=0.0).to(tl.float32)
+        lse = tl.load(LSE + h.to(tl.int64) * M + rows64, mask=rmask, other=0.0)
+        c, acc_p, acc_q = tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M, BLOCK_D), tl.float32), \
+            tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        if HAS_NULL:
+            s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
+            c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG, h.to(tl.int64) * M + rows64,
+                                              rmask)
+        for n in tl.range(0, N, num_stages=STAGES):
+            s, r = _source(HIST, R, n + SKIP * (n == N - 1), M, tile, mask, rows64, rmask, DM)
+            c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG,
+                                              ((n + HAS_NULL) * H + h).to(tl.int64) * M + rows64, rmask)
+        tl.store(C + h.to(tl.int64) * M + rows64, c, mask=rmask)
+        tl.store(PART + pm.to(tl.int64) * DM + h * D + cols, tl.sum(acc_p - c[:, None] * acc_q, axis=0), mask=cmask)
+
+    @triton.jit
+    def _call_source_grad(s, r, g_up, w, n, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm,
+                          H: tl.constexpr):
+        """ds of one source: alpha G + r dlogit w - (r^2 / d) K s, K = sum_h dlogit logit (all heads)."""
+        off = ((n * H + heads[:, None]) * M).to(tl.int64) + rows64[None, :]
+        lg = tl.load(LG + off, mask=hmask, other=0.0)
+        alpha = tl.exp(lg - lse_all)
+        dlogit = alpha * (tl.load(DA + off, mask=hmask, other=0.0) - c_all)
+        k, a_h, dl_h = tl.sum(dlogit * lg, axis=0), tl.sum(tl.where(own, alpha, 0.0), axis=0), \
+            tl.sum(tl.where(own, dlogit, 0.0), axis=0)
+        return a_h[:, None] * g_up + (r * dl_h)[:, None] * w[None, :] - (r * r * k * inv_dm)[:, None] * s
+
+    @triton.jit
+    def _call_bwd_sources(
+        HIST, R, NULL, Q, G, LSE, GOUT, DA, LG, C,   # as above (read)
+        DHIST, PARTNULL, M, N, SKIP, eps, inv_dm,   # [N, M, DM] the history's gradient; [token blocks, DM] the null's
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,   # partials
+        BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr, ACCUM: tl.constexpr):
+        # K couples the heads: each program loads every head's scalars of a source (a [BLOCK_H, BLOCK_M] tile)
+        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
+        cols, cmask, mask, tile = _part(h, rows64, rmask, 0, BLOCK_D, DM, D)
+        heads = tl.arange(0, BLOCK_H)
+        hmask, own = (heads[:, None] < H) & rmask[None, :], heads[:, None] == h
+        w = _head_w(Q, G, h, cols, cmask, D)
+        g_up = tl.load(GOUT + tile, mask=mask, other=0.0).to(tl.float32)
+        hoff = (heads[:, None] * M).to(tl.int64) + rows64[None, :]
+        lse_all, c_all = tl.load(LSE + hoff, mask=hmask, other=0.0), tl.load(C + hoff, mask=hmask, other=0.0)
+        if HAS_NULL:
+            s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
+            ds = _call_source_grad(s, r, g_up, w, 0, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm, H)
+            tl.store(PARTNULL + pm.to(tl.int64) * DM + h * D + cols, tl.sum(tl.where(mask, ds, 0.0), axis=0), mask=cmask)
+        for n in tl.range(0, N, num_stages=STAGES):
+            s, r = _source(HIST, R, n + SKIP * (n == N - 1), M, tile, mask, rows64, rmask, DM)
+            ds = _call_source_grad(s, r, g_up, w, n + HAS_NULL, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M,
+                                   inv_dm, H)
+            dst = DHIST + (n * M).to(tl.int64) * DM + tile
+            if ACCUM:   # add to the gradient there (block routing: a block's gradient summed over the sites reading it)
+                ds += tl.load(dst, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dst, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
+
+
+@torch.no_grad()
+def rms_factors(hist, eps):
+    """fp32 RMS factors (N, ...) of stacked sources (N, ..., d), not differentiated (route_stack's backward is)."""
+    return torch.rsqrt(torch.linalg.vector_norm(hist, dim=-1, dtype=torch.float32).pow_(2).div_(hist.size(-1)).add_(eps))
+
+
+def _call_launch(setting, M, d, heads, config):
+    """(grid, BLOCK_M, warps, stages, shape constexprs) of a per-call kernel."""
+    (tile, warps, stages), block_d = setting, triton.next_power_of_2(d // heads)
+    bm = _block_m(tile, block_d, config)
+    shape = dict(DM=d, H=heads, D=d // heads, BLOCK_M=bm, BLOCK_D=block_d, BLOCK_C=min(1024, triton.next_power_of_2(d)))
+    return (triton.cdiv(M, bm) * heads,), bm, warps, stages, shape
+
+
+def call_forward(hist, r, null, q, g, heads, eps, config, n=None, skip=0):
+    """Rung 1's forward over n sources of hist [., M, d] (default all; the last one read skip slots on) with RMS
+    factors r [., M]: (out [M, d], lse [heads, M])."""
+    M, d = hist.shape[1:]
+    grid, _, warps, stages, shape = _call_launch(config.call_fwd, M, d, heads, config)
+    out, lse = torch.empty(M, d, dtype=hist.dtype, device=hist.device), r.new_empty(heads, M)
+    _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=n or len(hist),
+                    SKIP=skip, eps=eps, **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
+    return out, lse
+
+
+def call_backward(hist, r, null, q, g, lse, gout, heads, eps, config, n=None, skip=0, dhist=None):
+    """Rung 1's backward (site pass, source pass), sources as call_forward's: (dhist, dnull, dq, dg); given dhist, the
+    sources' gradients are added to its first n slots."""
+    (M, d), H, has_null, n = hist.shape[1:], heads, int(null is not None), n or len(hist)
+    args = dict(HIST=hist, R=r, NULL=null if has_null else q, Q=q, G=g, LSE=lse, GOUT=gout.to(hist.dtype).contiguous(),
+                M=M, N=n, SKIP=skip, eps=eps, HAS_NULL=has_null)
+    da, lg, c = r.new_empty(n + has_null, H, M), r.new_empty(n + has_null, H, M), r.new_empty(H, M)
+    grid, bm, warps, stages, shape = _call_launch(config.call_site, M, d, H, config)
+    part = r.new_empty(triton.cdiv(M, bm), d)   # (r: fp32)
+    _call_bwd_site[grid](**args, DA=da, LG=lg, C=c, PART=part, **shape, STAGES=stages, num_warps=warps)
+    grid, bm, warps, stages, shape = _call_launch(config.call_sources, M, d, H, config)
+    partnull, accum = r.new_empty(triton.cdiv(M, bm), d) if has_null else part, dhist is not None
+    dhist = torch.empty_like(hist) if dhist is None else dhist
+    _call_bwd_sources[grid](**args, DA=da, LG=lg, C=c, DHIST=dhist, PARTNULL=partnull, inv_dm=1.0 / d, **shape,
+                            BLOCK_H=triton.next_power_of_2(H), STAGES=stages, ACCUM=accum, num_warps=warps)
+    dw, dnull = part.sum(0), partnull.sum(0).to(null.dtype) if has_null else None
+    return dhist, dnull, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype)
+
+
+class _RouteCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hist, r, null, q, g, heads, eps, config):
+        ctx.heads, ctx.eps, ctx.config, r = heads, eps, config, rms_factors(hist, eps) if r is None else r
+        out, lse = call_forward(hist, r, null, q, g, heads, eps, config)
+        ctx.save_for_backward(hist, r, null, q, g, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):
+        dhist, dnull, dq, dg = call_backward(*ctx.saved_tensors, gout, ctx.heads, ctx.eps, ctx.config)
+        return dhist, None, dnull, dq, dg, None, None, None
+
+
+@torch.compiler.disable
+def route_stack(sources, q, g, heads, eps, null=None, r=None, config=None):
+    """model.route_reference fused: stacked sources (N, B, T, d) -> (B, T, d); null (d,) an extra first source (delta
+    mode), r = rms_factors(sources) when calls share it. Stateless: composes with FSDP and activation checkpointing."""
+    N, B, T, d = sources.shape
+    check_envelope(d, heads, sources.dtype)
+    announce(config := config or config_for(d, heads), d, heads)
+    return _RouteCall.apply(sources.flatten(1, 2).contiguous(), None if r is None else r.reshape(N, B * T).contiguous(),
+                            None if null is None else null.to(sources.dtype).contiguous(), q, g, heads, eps, config
+                            ).view(B, T, d)
