@@ -2659,6 +2659,12 @@ def test_block_routing_report(tmp_path):
     assert "| 100m | mhar_block4 - mhar | 0,1 | +0.0100 +0.0200 |" in text
     assert "| 100m | (attnres_block4 - attnres) - (mhar_block4 - mhar) | 0,1 | +0.0100 +0.0100 |" in text
     assert "| 100m | attnres_block4 - baseline | 0,1 | -0.0500 -0.0300 |" in text
+    assert "\n|" + "---|" * 10 + "\n" in text   # the comparison tables' separator row: ten columns
+    here = os.path.join(HERE, "results", "block_routing")   # the committed report recomputes from the committed logs
+    committed = rep.report(rep.merged(os.path.join(here, "logs"), os.path.join(HERE, "results", "temperature_study",
+                                                                                "logs")))
+    with open(os.path.join(here, "report.md")) as f:
+        assert f.read().strip() == committed.strip()
 
 
 def test_temperature_study_driver(tmp_path, data_dir):

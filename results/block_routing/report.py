@@ -30,7 +30,7 @@ def merged(block_dir, full_dir):
 
 def report(rs):
     head = ["| shape | A - B | seeds | per-seed deltas, tail-5 | mean +- SE, tail-5 | \\|mean\\| / SE (95%: >) | "
-            "same sign | mean +- SE, final | 95% interval, tail-5 | seeds for 80% power |", "|---|" * 10]
+            "same sign | mean +- SE, final | 95% interval, tail-5 | seeds for 80% power |", "|" + "---|" * 10]
     lines = ["| config | seed | tail-5 | final |", "|---|---|---|---|"]
     lines += [f"| {c} | {s} | {r['tail']:.4f} | {r['final']:.4f} |" for (sh, c, s), r in sorted(rs.items())
               if c.endswith(SUFFIX)]
