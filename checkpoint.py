@@ -244,14 +244,18 @@ def data_changes(old, new, data_dir, say=print):
     return changes
 
 
-def git_revision():   # where the copy has no .git (a GPU host, say): $MHAR_REVISION, set where git runs
+def git_revision():
+    """The tree's commit (+dirty), or $MHAR_REVISION when set: a copy whose .git is missing or not its own (a GPU
+    host's, say) names its tree by the revision set where git runs."""
+    if os.environ.get("MHAR_REVISION"):
+        return os.environ["MHAR_REVISION"] + " (MHAR_REVISION)"
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ["MHAR_REVISION"] + " (MHAR_REVISION)" if os.environ.get("MHAR_REVISION") else "unknown"
+        return "unknown"
 
 
 # ---- log.jsonl --------------------------------------------------------------------------------------------------------

@@ -102,4 +102,3 @@ class BlockChain(RoutingChain):
                                      self.config, count, skip, dhist=self.dB)
         self.next_bwd = j - 1
         return self.dB[self.block_of(j - 1)].clone(), dq, dg
-

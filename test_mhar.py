@@ -1225,14 +1225,16 @@ def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
 
 
 def test_run_header_names_the_tree_without_git(monkeypatch):
-    """A copy without .git (a GPU host's, say) names its tree by $MHAR_REVISION, set where git runs."""
+    """A copy without .git, or with a .git that is not its own (a GPU host's, say), names its tree by $MHAR_REVISION,
+    set where git runs: the variable, when set, wins over git."""
+    monkeypatch.setenv("MHAR_REVISION", "0aa8bf0")
+    assert train.git_revision() == "0aa8bf0 (MHAR_REVISION)"
     def no_git(*args, **kwargs):
         raise OSError("git: not found")
     monkeypatch.setattr(checkpoint.subprocess, "run", no_git)
-    monkeypatch.delenv("MHAR_REVISION", raising=False)
-    assert train.git_revision() == "unknown"
-    monkeypatch.setenv("MHAR_REVISION", "0aa8bf0")
     assert train.git_revision() == "0aa8bf0 (MHAR_REVISION)"
+    monkeypatch.delenv("MHAR_REVISION")
+    assert train.git_revision() == "unknown"
 
 
 def test_train_options_parse():

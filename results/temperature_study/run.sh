@@ -16,8 +16,8 @@
 # EXTRA="--lr=5e-4" appends train.py arguments to every run (give such runs their own LOGS: the names do not show it).
 # SAVE=True keeps a reduced run's checkpoint in out/study/NAME (for eval.py); by default only the logs are kept.
 # Long lists can run in the background of a warm machine: nohup bash results/temperature_study/run.sh ... &
-# A copy without .git names its tree in each run's header by MHAR_REVISION: MHAR_REVISION=$(git rev-parse --short HEAD)
-#   where the checkout is, then MHAR_REVISION=<that> bash results/temperature_study/run.sh ... where the copy runs.
+# A copy without its own .git names its tree in each run's header by MHAR_REVISION (which wins over git when set):
+#   MHAR_REVISION=$(git rev-parse --short HEAD) where the checkout is, then MHAR_REVISION=<that> bash run.sh ... there.
 set -eo pipefail
 BUDGET=${BUDGET:-reduced}
 GPUS=${GPUS:-1}
