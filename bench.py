@@ -26,8 +26,8 @@ garbage-collected process and a reset torch.compile cache).
 2. `python bench.py routing`: the routing chain alone (every site of a model, forward and backward, an elementwise
 sublayer between sites), fused against the reference, at the paper's Table 5 shapes and training microbatches:
 correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the 6-byte model,
-per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --tune / --tune-train search the
-launch settings (routing_kernel.RoutingConfig), --check-large checks offsets past 2^31 elements, --delta times the
+per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --blocks=n times block routing
+(routing_block.py) instead; --tune / --tune-train search the launch settings (routing_config.RoutingConfig), --check-large checks offsets past 2^31 elements, --delta times the
 per-call kernels at an 8B delta model's shape, --authors=PATH and --peers=fla,liger time ours beside the authors'
 kernel and the single-head kernels of fla-core and Liger-Kernel (when installed). See `python bench.py routing -h`.
 
@@ -408,6 +408,7 @@ TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048,
 CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead",
                  "backward")
 FWD_KERNELS = ("fwd", "fwd_lead")   # the others run in one backward or the other
+BLOCK_KERNELS = ("call_fwd", "call_site", "call_sources")   # rung 1's, which block routing runs (--blocks)
 BACKWARDS = ("site", "gather")
 
 
@@ -574,23 +575,25 @@ def time_delta(impl, device, B=2, T=4096, d=4096, H=8, n_layer=32, num_blocks=8)
     return do_bench(step, warmup=1, rep=1, return_mode="median"), _peak_gb(step)
 
 
-def profile_chain(N, B, T, d, H, device, config=None):
-    """GPU time per kernel over one fused chain forward + backward, in ms."""
+def profile_chain(N, B, T, d, H, device, config=None, blocks=None):
+    """GPU time per kernel over one fused chain forward + backward (blocks = n: block routing's), in ms; "other":
+    PyTorch's own kernels, "launches": how many kernels ran."""
     from torch.profiler import ProfilerActivity, profile
-    step = chain_step("fused", N, B, T, d, H, device, config=config)
+    step = chain_step("fused", N, B, T, d, H, device, config=config, blocks=blocks)
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    total = {}
+    total, launches = {}, 0
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if t > 0:
-            key = next((k for k in ("_chain_fwd", "_chain_bwd_site", "_chain_bwd_gather", "_gather_bwd", "_dw_terms")
-                        if k in e.key), "other")   # the last two: routing_gather.py's backward
-            total[key] = total.get(key, 0.0) + t / 1e3
-    return {k: round(v, 3) for k, v in sorted(total.items())}
+            key = next((k for k in ("_chain_fwd", "_chain_bwd_site", "_chain_bwd_gather", "_gather_bwd", "_dw_terms",
+                                    "_call_fwd", "_call_bwd_site", "_call_bwd_sources", "_add_rms") if k in e.key),
+                       "other")   # _gather_bwd, _dw_terms: routing_gather.py's backward; _add_rms: routing_block.py
+            total[key], launches = total.get(key, 0.0) + t / 1e3, launches + e.count
+    return dict({k: round(v, 3) for k, v in sorted(total.items())}, launches=launches)
 
 
 def load_authors(path):
@@ -697,11 +700,20 @@ def host_profile(device, steps=20):
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
-def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES):
+def chain_pairs(N, blocks=None):
+    """(source, site) pairs of a chain of N sites: full routing's N (N + 1) / 2, or block routing's (n blocks of the
+    N - 1 sublayers: site j reads the completed blocks, the embedding one of them, and the open block's partial sum)."""
+    if not blocks:
+        return N * (N + 1) // 2
+    P = (N - 1) // blocks
+    return sum(1 + (j - 1) // P + ((j - 1) % P != 0) for j in range(1, N + 1))
+
+
+def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES, blocks=None):
     """Coordinate descent over each kernel's (tile, warps, stages) on chain GPU time (graph replay): from DEFAULT, the
     best geometric mean over all shapes (per_shape=False); or from config_for(d, H), the best at each shape; _lead
-    kernels may also pick None (no pairing). Returns the configs and prints what changed, for RoutingConfig's
-    defaults or a TUNED_H200 entry."""
+    kernels may also pick None (no pairing); blocks = n: block routing's chain (rung 1's kernels, BLOCK_KERNELS).
+    Returns the configs and prints what changed, for RoutingConfig's defaults or a TUNED_H200 entry."""
     tuned = []
     for group in ([[s] for s in shapes] if per_shape else [shapes]):
         _, _, d, H, _, _ = group[0]
@@ -715,11 +727,11 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES)
                 seen.add(key)
                 # a kernel is timed in the backward that runs it (the site pass's kernels: "site"; _bwd: "gather")
                 backward = ({"backward": "gather" if "bwd" in kernel else "site"}
-                            if kernel not in FWD_KERNELS + ("backward",) else {})
+                            if kernel not in FWD_KERNELS + BLOCK_KERNELS + ("backward",) else {})
                 trial = replace(cfg, **{kernel: cand}, **backward)
                 try:
-                    times = [time_chain("fused", 2 * L + 1, B, T, dd, HH, device, graph=True, config=trial)[0]
-                             for _, L, dd, HH, B, T in group]
+                    times = [time_chain("fused", 2 * L + 1, B, T, dd, HH, device, graph=True, config=trial,
+                                        blocks=blocks)[0] for _, L, dd, HH, B, T in group]
                 except Exception as e:   # e.g. out of shared memory or registers: skip the candidate
                     print(f"tune {kernel:11s} {cand}: failed: {str(e)[:200]}")
                     continue
@@ -752,12 +764,28 @@ def routing_main(argv):
                    "--authors; then exit")
     p.add_argument("--authors", metavar="PATH", help="side by side with the authors' fused kernel (your copy of their "
                    "mhar_triton.py): eager and CUDA-graph time, memory, fraction of the bandwidth bound; then exit")
+    p.add_argument("--blocks", type=int, default=None, metavar="N",
+                   help="block routing in N blocks (routing_block.py) at every chain shape: its time and profile, and "
+                   f"--tune-train of {', '.join(BLOCK_KERNELS)} on it (N must divide every shape's 2L sublayers)")
     p.add_argument("--heads", type=int, default=None, metavar="H",
                    help="route every chain shape (timing and tuning) with H heads instead of its own (1: the single head)")
     p.add_argument("--output", default="out/routing_bench.json", help="results JSON")
     args = p.parse_args(argv)
     chain_shapes = CHAIN_SHAPES if args.heads is None else [(name, L, d, args.heads, B, T)
                                                             for name, L, d, _, B, T in CHAIN_SHAPES]
+    kernels = (args.tune_train or args.tune or "").split(",")
+    if args.blocks and args.tune_train == ",".join(CHAIN_KERNELS):   # --tune-train's default: the block chain's kernels
+        kernels = list(BLOCK_KERNELS)
+    allowed = BLOCK_KERNELS if args.blocks else CHAIN_KERNELS
+    if (args.tune or args.tune_train) and any(k not in allowed for k in kernels):
+        sys.exit(f"bench.py routing: --tune[-train]=KERNEL[,KERNEL]: one of {', '.join(allowed)}")
+    if args.blocks is not None and (args.authors or args.peers or args.delta or args.cpu_profile):
+        sys.exit("bench.py routing: --blocks times this repo's block chain alone: drop --authors, --peers, --delta and "
+                 "--cpu-profile (they time full routing or delta mode)")
+    sublayers = sorted({2 * L for _, L, _, _, _, _ in chain_shapes})
+    if args.blocks is not None and (args.blocks < 1 or math.gcd(*sublayers) % args.blocks):
+        sys.exit(f"bench.py routing: --blocks={args.blocks} must divide every chain shape's sublayers (2 x n_layer: "
+                 f"{', '.join(map(str, sublayers))}): give a divisor of {math.gcd(*sublayers)}, e.g. 8")
     for name, _, d, H, _, _ in chain_shapes:
         if H < 1 or d % H or d // H < 16:
             sys.exit(f"bench.py routing: --heads={H} does not fit the {name} shape's width d={d} (H must divide d with "
@@ -802,23 +830,23 @@ def routing_main(argv):
     else:
         if args.tune or args.tune_train:
             per_shape = args.tune_train is not None
-            kernels = (args.tune_train if per_shape else args.tune).split(",")
-            if any(k not in CHAIN_KERNELS for k in kernels):
-                sys.exit(f"bench.py routing: --tune[-train]=KERNEL[,KERNEL]: one of {', '.join(CHAIN_KERNELS)}")
-            tune_configs(kernels, [s for s in chain_shapes if s[0].endswith("train") == per_shape], per_shape, device)
+            tune_configs(kernels, [s for s in chain_shapes if s[0].endswith("train") == per_shape], per_shape, device,
+                         blocks=args.blocks)
         ref_compiled = torch.compile(route_reference, dynamic=True)
         for name, L, d, H, B, T in chain_shapes:
             N = 2 * L + 1
-            bytes6 = 6 * N * (N + 1) // 2 * B * T * d
+            bytes6 = 6 * chain_pairs(N, args.blocks) * B * T * d
             for impl in ("fused", "fused-graph") + (() if name.endswith("train") else ("compiled", "eager")):
-                t, mem = time_chain(impl.split("-")[0], N, B, T, d, H, device, ref_compiled, graph=impl.endswith("graph"))
+                t, mem = time_chain(impl.split("-")[0], N, B, T, d, H, device, ref_compiled, graph=impl.endswith("graph"),
+                                    blocks=args.blocks)
                 gbps = bytes6 / t / 1e6
                 rows.append(dict(shape=name, heads=H, impl=impl, ms=t, gbps=gbps, copy_frac=gbps / copy_bw, peak_gb=mem))
                 print(f"{name:11s} H={H:<2d} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s (6 B/pair-elem, "
                       f"{100 * gbps / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
             if not name.endswith("train"):
                 try:
-                    print(f"{name:11s} fused kernels (profiler, ms): {profile_chain(N, B, T, d, H, device)}", flush=True)
+                    print(f"{name:11s} fused kernels (profiler, ms): "
+                          f"{profile_chain(N, B, T, d, H, device, blocks=args.blocks)}", flush=True)
                 except Exception as e:   # the profiler's event fields move between torch versions
                     print(f"profiler failed: {e!r}")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

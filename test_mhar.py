@@ -2441,9 +2441,37 @@ def test_tune_times_each_backward_kernel_under_its_backward(monkeypatch):
     assert cfg.site == (4096, 4, 3) and cfg.backward == "gather"
 
 
+def test_bench_routing_blocks_option(monkeypatch):
+    """bench.py routing --blocks=n: block routing's chain at every shape; n must divide every shape's sublayers and
+    --tune-train takes rung 1's kernels (by default all three), each a one-line error before anything runs. The pair
+    count behind its GB/s is the block chain's own (routing_block.BlockChain.sources), and the tune times block chains
+    without forcing a backward (the block chain has one)."""
+    from routing_block import BlockChain
+    for argv, msg in ((["--blocks=5"], r"--blocks=5 must divide every chain shape's sublayers \(2 x n_layer: 24, 48, "
+                                       r"72\): give a divisor of 24"),
+                      (["--blocks=0"], r"--blocks=0 must divide"),
+                      (["--blocks=8", "--tune-train=fwd"], r"one of call_fwd, call_site, call_sources$"),
+                      (["--blocks=8", "--delta"], r"--blocks times this repo's block chain alone: drop --authors")):
+        with pytest.raises(SystemExit, match=msg):
+            bench.routing_main(argv)
+    for N, n in ((49, 8), (73, 8), (25, 4), (13, 12)):
+        chain = BlockChain(N, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=n)
+        assert bench.chain_pairs(N, n) == sum(chain.sources(j)[0] for j in range(1, N + 1)), (N, n)
+    assert bench.chain_pairs(13, 12) == bench.chain_pairs(13) == 13 * 14 // 2   # one sublayer a block: full routing
+    trials = []
+
+    def fake_time(impl, N, B, T, d, H, device, ref=None, graph=False, config=None, blocks=None):
+        trials.append((blocks, config.backward))
+        return 1.0 + 0.1 * (config.call_site != (4096, 4, 3)), 0.0
+    monkeypatch.setattr(bench, "time_chain", fake_time)
+    (cfg,) = bench.tune_configs(["call_site"], [("tiny-train", 2, 64, 4, 1, 16)], True, "cpu",
+                                candidates=[(1024, 2, 3), (4096, 4, 3)], blocks=2)
+    assert trials == [(2, rk.DEFAULT.backward)] * 2 and cfg.call_site == (4096, 4, 3)
+
+
 def test_tune_candidates_cover_the_configs():
     """bench.py routing --tune / --tune-train can find every config shipped (else a retune silently drops a best)."""
-    kernels = [k for k in bench.CHAIN_KERNELS if k != "backward"]
+    kernels = [k for k in bench.CHAIN_KERNELS + bench.BLOCK_KERNELS if k != "backward"]
     used = {getattr(rk.DEFAULT, k) for k in kernels if getattr(rk.DEFAULT, k) is not None} | {v for w in rk.TUNED_H200.values() for k, v in w.items()
                                                         if k in kernels and v is not None}
     assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
