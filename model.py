@@ -486,8 +486,8 @@ class GPT(nn.Module):
         return (logits, loss, routing) if return_routing else (logits, loss)
 
     def _history(self, x, routing):
-        """A DepthHistory for one forward pass: the fused chain where it can run (and alpha is not recorded), else
-        the reference list; with route_blocks, a BlockDepthHistory."""
+        """A DepthHistory for one forward pass: the fused chain where it can run (and alpha is not recorded; with
+        route_blocks, the block chain), else the reference list (with route_blocks, a BlockDepthHistory)."""
         sites = self.routing_sites()
         fused = routing is None and self.routing_path(x.device, x.dtype) == "fused"
         if fused:   # block routing too (route_blocks: FusedRouter's BlockChain, routing_block.py)

@@ -14,8 +14,7 @@ the whole gradient of sublayer output i = j - 1 of block b: the later blocks' re
 of block b from i on (each is o_i plus other terms).
 
 Per (source, site) pair this reads a source three times (forward, site pass, source pass) and adds to its gradient
-once; the list of sources stacked per site (torch.stack, forward and backward) cost 18-24 source passes per pair on
-an H200 at the training microbatches, against the full chain's ~4 (BENCHMARKS.md).
+once; the rest of a site's cost is its launches (~10). Measured: BENCHMARKS.md.
 """
 import torch
 

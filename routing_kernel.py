@@ -594,22 +594,27 @@ class FusedRouter:
     def __init__(self, n_sites, heads, eps, config=None, blocks=None):
         self.N, self.H, self.eps, self.config, self.chain, self.blocks = n_sites, heads, eps, config, None, blocks
 
-    def start(self, x, queries=None, gains=None):
-        """The chain of a pass from x (B, T, d); queries, gains (every site's, in order) let sites lead (lead_schedule)."""
-        (B, T, d), c, chain = x.shape, self.chain, RoutingChain
+    def _chain_class(self, d, training):
         if self.blocks:   # block routing (route_blocks): routing_block.py, which imports this module
             from routing_block import BlockChain
-            chain = functools.partial(BlockChain, blocks=self.blocks)
-        elif (self.config or config_for(d, self.H)).backward == "gather" and torch.is_grad_enabled():
-            from routing_gather import GatherChain as chain   # (it imports this module)
+            return functools.partial(BlockChain, blocks=self.blocks)
+        if training and (self.config or config_for(d, self.H)).backward == "gather":
+            from routing_gather import GatherChain   # (it imports this module)
+            return GatherChain
+        return RoutingChain
+
+    def start(self, x, queries=None, gains=None):
+        """The chain of a pass from x (B, T, d); queries, gains (every site's, in order) let sites lead (lead_schedule)."""
+        (B, T, d), c = x.shape, self.chain
         if not torch.is_grad_enabled():
-            c = chain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, False, self.config)
+            c = self._chain_class(d, False)(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, False, self.config)
         elif c is not None and c.pending():
             raise RuntimeError("fused routing: a second forward started before the first forward's backward (one depth "
                                "history per model): call backward first, evaluate under torch.no_grad(), or use "
                                "routing_impl='reference'")
         elif c is None or (c.M, c.d, c.dtype, c.R.device) != (B * T, d, x.dtype, x.device):
             self.chain = None   # free the old buffers before allocating new ones
-            c = self.chain = chain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True, self.config)
+            c = self.chain = self._chain_class(d, True)(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True,
+                                                        self.config)
         c.reset(queries, gains)
         return c
