@@ -408,7 +408,7 @@ TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048,
 CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead",
                  "backward")
 FWD_KERNELS = ("fwd", "fwd_lead")   # the others run in one backward or the other
-BLOCK_KERNELS = ("call_fwd", "call_site", "call_sources")   # rung 1's, which block routing runs (--blocks)
+BLOCK_KERNELS = ("block_fwd", "block_bwd")   # block routing's (routing_block.py; --blocks)
 BACKWARDS = ("site", "gather")
 
 
@@ -590,8 +590,8 @@ def profile_chain(N, B, T, d, H, device, config=None, blocks=None):
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if t > 0:
             key = next((k for k in ("_chain_fwd", "_chain_bwd_site", "_chain_bwd_gather", "_gather_bwd", "_dw_terms",
-                                    "_call_fwd", "_call_bwd_site", "_call_bwd_sources", "_add_rms") if k in e.key),
-                       "other")   # _gather_bwd, _dw_terms: routing_gather.py's backward; _add_rms: routing_block.py
+                                    "_block_fwd", "_block_bwd") if k in e.key),
+                       "other")   # _gather_bwd, _dw_terms: routing_gather.py's backward; _block_*: routing_block.py
             total[key], launches = total.get(key, 0.0) + t / 1e3, launches + e.count
     return dict({k: round(v, 3) for k, v in sorted(total.items())}, launches=launches)
 
@@ -712,7 +712,7 @@ def chain_pairs(N, blocks=None):
 def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES, blocks=None):
     """Coordinate descent over each kernel's (tile, warps, stages) on chain GPU time (graph replay): from DEFAULT, the
     best geometric mean over all shapes (per_shape=False); or from config_for(d, H), the best at each shape; _lead
-    kernels may also pick None (no pairing); blocks = n: block routing's chain (rung 1's kernels, BLOCK_KERNELS).
+    kernels may also pick None (no pairing); blocks = n: block routing's chain (its kernels, BLOCK_KERNELS).
     Returns the configs and prints what changed, for RoutingConfig's defaults or a TUNED_H200 entry."""
     tuned = []
     for group in ([[s] for s in shapes] if per_shape else [shapes]):

@@ -33,6 +33,11 @@ class RoutingConfig:
     call_fwd: tuple = (4096, 4, 4)   # the per-call kernels, measured at the 8B delta shape (d 4096, H 8, 2 x 4096
     call_site: tuple = (8192, 8, 3)  # tokens): a site tile of 16384 made its 64 calls 72.2 ms instead of 65.7
     call_sources: tuple = (1024, 2, 3)
+    # block routing's (routing_block.py): a program holds a token block over every head; the backward's programs are
+    # persistent, block_waves per streaming multiprocessor (each sums its dw terms in registers: few partials)
+    block_fwd: tuple = (4096, 4, 3)
+    block_bwd: tuple = (4096, 4, 3)
+    block_waves: int = 2
     max_block_m: int = 256 if INTERPRET else 64   # tokens per program at most (the interpreter: few, big programs)
     direct: bool = True   # the chain calls its compiled kernels' launchers directly (Launcher, below)
     backward: str = "site"   # "gather": routing_gather.GatherChain's backward, no site pass (its queries need start's)

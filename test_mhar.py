@@ -2443,14 +2443,14 @@ def test_tune_times_each_backward_kernel_under_its_backward(monkeypatch):
 
 def test_bench_routing_blocks_option(monkeypatch):
     """bench.py routing --blocks=n: block routing's chain at every shape; n must divide every shape's sublayers and
-    --tune-train takes rung 1's kernels (by default all three), each a one-line error before anything runs. The pair
+    --tune-train takes the block chain's kernels (by default both), each a one-line error before anything runs. The pair
     count behind its GB/s is the block chain's own (routing_block.BlockChain.sources), and the tune times block chains
     without forcing a backward (the block chain has one)."""
     from routing_block import BlockChain
     for argv, msg in ((["--blocks=5"], r"--blocks=5 must divide every chain shape's sublayers \(2 x n_layer: 24, 48, "
                                        r"72\): give a divisor of 24"),
                       (["--blocks=0"], r"--blocks=0 must divide"),
-                      (["--blocks=8", "--tune-train=fwd"], r"one of call_fwd, call_site, call_sources$"),
+                      (["--blocks=8", "--tune-train=fwd"], r"one of block_fwd, block_bwd$"),
                       (["--blocks=8", "--delta"], r"--blocks times this repo's block chain alone: drop --authors")):
         with pytest.raises(SystemExit, match=msg):
             bench.routing_main(argv)
@@ -2462,11 +2462,11 @@ def test_bench_routing_blocks_option(monkeypatch):
 
     def fake_time(impl, N, B, T, d, H, device, ref=None, graph=False, config=None, blocks=None):
         trials.append((blocks, config.backward))
-        return 1.0 + 0.1 * (config.call_site != (4096, 4, 3)), 0.0
+        return 1.0 + 0.1 * (config.block_bwd != (4096, 4, 3)), 0.0
     monkeypatch.setattr(bench, "time_chain", fake_time)
-    (cfg,) = bench.tune_configs(["call_site"], [("tiny-train", 2, 64, 4, 1, 16)], True, "cpu",
+    (cfg,) = bench.tune_configs(["block_bwd"], [("tiny-train", 2, 64, 4, 1, 16)], True, "cpu",
                                 candidates=[(1024, 2, 3), (4096, 4, 3)], blocks=2)
-    assert trials == [(2, rk.DEFAULT.backward)] * 2 and cfg.call_site == (4096, 4, 3)
+    assert trials == [(2, rk.DEFAULT.backward)] * 2 and cfg.block_bwd == (4096, 4, 3)
 
 
 def test_tune_candidates_cover_the_configs():
@@ -2547,11 +2547,14 @@ def test_bench_block_chain():
         assert rel_err(run("fused", blocks), ref) < 1e-2 and rel_err(ref, full) > 1e-3, blocks   # bf16 sources
 
 
-@pytest.mark.parametrize("blocks", [1, 3, 12])
-def test_block_chain_bf16_gradients(blocks):
+@pytest.mark.parametrize("blocks,config,given", [(1, None, False), (3, None, True), (12, None, False),
+                                                 (3, rk.RoutingConfig(max_block_m=4, block_waves=1), True)])
+def test_block_chain_bf16_gradients(blocks, config, given):
     """Block routing's fused chain in bf16 (13 sites, d 48, H 3: awkward shapes): its output and every gradient (the
     first source's, every q and g) as close to a float64 reference as the bf16 reference itself is, the gradients
-    summed in the sources' dtype as autograd sums the reference's."""
+    summed in the sources' dtype as autograd sums the reference's. dq and dg come at each site, or at site 1 for every
+    site when start() is given the queries and gains; with 4-token blocks and 2 programs each backward program
+    visits two token blocks, the last one partial (14 tokens)."""
     N, B, T, d, H = 13, 2, 7, 48, 3
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(B, T, d, generator=gen).bfloat16()
@@ -2561,7 +2564,8 @@ def test_block_chain_bf16_gradients(blocks):
     def run(impl, dtype):
         s0, q, g = (t.to(DEVICE, dtype).clone().requires_grad_(True) for t in (src, qs.to(dtype), gs.to(dtype)))
         if impl == "fused":
-            chain = rk.FusedRouter(N, H, 1e-6, None, blocks).start(s0)
+            chain = rk.FusedRouter(N, H, 1e-6, config, blocks).start(s0, *((list(q), list(g)) if given else ()))
+            assert chain.programs == (2 if config else 1)
             route = lambda j, x: chain.route(j, x, q[j - 1], g[j - 1])
         else:
             hist = BlockDepthHistory(range(N), (N - 1) // blocks,
