@@ -150,7 +150,7 @@ if triton is not None:
         SPLIT: tl.constexpr = BLOCK_B > 0
         pid, programs, M64 = tl.program_id(0), tl.num_programs(0), M.to(tl.int64)
         w_a, w_b, woff_a, wmask_a, woff_b, wmask_b = _query(Q, G, DM, H, D, BH, D_A, BLOCK_B)
-        dw_a, _, dw_b, _, _ = _zeros(1, BH, D_A, BLOCK_B, SPLIT)
+        dw_a, unused_a, dw_b, unused_b, unused = _zeros(1, BH, D_A, BLOCK_B, SPLIT)
         for t in range(pid, n_tiles, programs):   # persistent: a program's dw terms summed in registers
             rows64, rmask, off_a, mask_a, off_b, mask_b, hoff, hmask = _tiles(t, M, DM, H, D, BH, D_A, BLOCK_B,
                                                                               BLOCK_M)
@@ -159,7 +159,7 @@ if triton is not None:
             c = tl.zeros((BLOCK_M, BH), tl.float32)
             for n in tl.range(0, count, num_stages=STAGES):   # c = sum_n alpha da, per token and head
                 slot = n + (last - n) * (n == count - 1)
-                _, _, _, _, alpha, da = _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b, mask_b, w_a,
+                s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b, mask_b, w_a,
                                                     w_b, g_a, g_b, lse, DM, SPLIT)
                 c += alpha * da
             for n in tl.range(0, count, num_stages=STAGES):   # ds_n = alpha G + r dlogit w - (r^2 / d) K s_n

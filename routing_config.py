@@ -56,15 +56,21 @@ DEFAULT = RoutingConfig()
 # was faster in the chain and in the step: the single head at d 512 (chain 0.70x; step 0.84x -> 0.90x of the
 # baseline's tokens/s) and d 1024 (0.62x; 0.75x -> 0.84x), MHAR at 1B (0.92x; 0.80x -> 0.82x), for ~0.7 GB more
 # memory (its fp32 site outputs). Elsewhere it was within 4% or slower (d 768: 1.08-1.14x, on DEFAULT's settings).
+# block_fwd, block_bwd: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8 --tune-train`); the
+# backward's time moved up to 2x between settings, so each width has its own.
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
-                   stored_logits=True),
+                   stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(1024, 4, 3)),
     # site and gather: the site-pass backward's, tuned (its chain 9.34 -> 6.87 ms), used when that backward is forced
-    (512, 1): dict(site=(4096, 4, 3), gather=(4096, 4, 3), backward="gather"),
+    (512, 1): dict(site=(4096, 4, 3), gather=(4096, 4, 3), backward="gather", block_fwd=(512, 1, 3),
+                   block_bwd=(4096, 4, 4)),
+    (768, 4): dict(block_fwd=(512, 1, 3), block_bwd=(4096, 4, 4)),
     (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
-                    gather_lead=(4096, 4, 4), stored_logits=True),
-    (1024, 1): dict(backward="gather"),
-    (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather"),
+                    gather_lead=(4096, 4, 4), stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3)),
+    (1024, 1): dict(backward="gather", block_fwd=(512, 1, 3)),
+    (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather",
+                    block_fwd=(512, 1, 3), block_bwd=(16384, 8, 3)),
+    (1280, 1): dict(block_fwd=(512, 1, 3), block_bwd=(512, 1, 3)),
 }
 
 
