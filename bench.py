@@ -491,16 +491,20 @@ def time_chain(impl, N, B, T, d, H, device, ref_compiled=None, graph=False, conf
     return do_bench(graphed(step) if graph else step, warmup=50, rep=300, return_mode="median"), mem
 
 
-def chain_grads(impl, src0, qs, gs, sublayer, up, H, config=None):
-    """A chain of len(qs) sites from src0, fused or reference: its output and every gradient of <out, up>, in float64:
-    [out, d src0, dq of every site (concatenated), dg of every site]."""
+def chain_grads(impl, src0, qs, gs, sublayer, up, H, config=None, blocks=None):
+    """A chain of len(qs) sites from src0, fused or reference (blocks = n: block routing's): its output and every
+    gradient of <out, up>, in float64: [out, d src0, dq of every site (concatenated), dg of every site]."""
     N = len(qs)
     s0 = src0.clone().requires_grad_(True)
     q = [x.clone().requires_grad_(True) for x in qs]
     g = [x.clone().requires_grad_(True) for x in gs]
     if impl == "fused":
-        chain = rk.FusedRouter(N, H, 1e-6, config).start(s0, q, g)
+        chain = rk.FusedRouter(N, H, 1e-6, config, blocks).start(s0, q, g)
         route = lambda j, x: chain.route(j, x, q[j - 1], g[j - 1])
+    elif blocks:
+        hist = BlockDepthHistory(range(N), (N - 1) // blocks,
+                                 lambda j, srcs: route_reference(torch.stack(srcs), q[j], g[j], H, 1e-6))
+        route = lambda j, x: hist.route(x)
     else:
         hist = []
         route = lambda j, x: hist.append(x) or route_reference(torch.stack(hist), q[j - 1], g[j - 1], H)
@@ -510,9 +514,9 @@ def chain_grads(impl, src0, qs, gs, sublayer, up, H, config=None):
             torch.cat([x.grad for x in g]).double()]
 
 
-def check_against_reference(N, B, T, d, H, dtype, device, config=None):
+def check_against_reference(N, B, T, d, H, dtype, device, config=None, blocks=None):
     """Relative error of fused against reference (fp32 math in both) for out and every gradient (dq, dg: all sites
-    at once, since site 1's are 0)."""
+    at once, since site 1's are 0); blocks = n: block routing's chain."""
     gen = torch.Generator(device="cpu").manual_seed(N * 7 + d)
     src0 = (torch.randn(B, T, d, generator=gen)).to(device=device, dtype=dtype)
     qs = [torch.randn(d, generator=gen).to(device) * 0.5 for _ in range(N)]
@@ -520,7 +524,7 @@ def check_against_reference(N, B, T, d, H, dtype, device, config=None):
     up = torch.randn(B, T, d, generator=gen).to(device=device, dtype=dtype)
     shift = [torch.randn(B, T, d, generator=gen).to(device=device, dtype=dtype) for _ in range(N)]
     sublayer = lambda j, x: torch.tanh(x) + shift[j]     # non-linear, so every gradient path matters
-    f, r = (chain_grads(impl, src0, qs, gs, sublayer, up, H, config) for impl in ("fused", "reference"))
+    f, r = (chain_grads(impl, src0, qs, gs, sublayer, up, H, config, blocks) for impl in ("fused", "reference"))
     rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
     return {name: rel(a, b) for name, a, b in zip(("out", "d_source0", "dq", "dg"), f, r)}
 
@@ -794,13 +798,17 @@ def routing_main(argv):
     device = args.device
     if device == "cpu" and not rk.available("cpu"):
         sys.exit("bench.py routing: no CUDA device; run with TRITON_INTERPRET=1 for Triton's CPU interpreter")
-    shapes = [(5, 1, 33, 96, 4, torch.float32)]   # correctness: an awkward shape, and the paper's on a GPU
+    # correctness: an awkward shape, and the paper's on a GPU (--blocks: block routing's chain, also at the 100M training
+    # microbatch, where each backward program visits ~30 token blocks)
+    shapes = [(13 if args.blocks else 5, 1, 33, 96, 4, torch.float32)]
     if device.startswith("cuda"):
         shapes += [(25, 2, 2048, 512, 4, torch.bfloat16), (49, 1, 1024, 1024, 8, torch.bfloat16),
-                   (73, 1, 1024, 1280, 8, torch.bfloat16)]
+                   (73, 1, 1024, 1280, 8, torch.bfloat16)] + ([(25, 8, 2048, 512, 4, torch.bfloat16)] if args.blocks else [])
     for N, B, T, d, H, dtype in shapes:
-        errs = check_against_reference(N, B, T, d, H, dtype, device)
-        print(f"check N={N} B={B} T={T} d={d} H={H} {str(dtype):15s} " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        blocks = args.blocks and math.gcd(N - 1, args.blocks)
+        errs = check_against_reference(N, B, T, d, H, dtype, device, blocks=blocks)
+        print(f"check N={N} B={B} T={T} d={d} H={H} {str(dtype):15s}" + (f" blocks={blocks}" if blocks else "") + " " +
+              " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
     if not device.startswith("cuda") or args.check_only:
         return None
     if args.check_large:

@@ -2565,7 +2565,8 @@ def test_block_chain_bf16_gradients(blocks, config, given):
         s0, q, g = (t.to(DEVICE, dtype).clone().requires_grad_(True) for t in (src, qs.to(dtype), gs.to(dtype)))
         if impl == "fused":
             chain = rk.FusedRouter(N, H, 1e-6, config, blocks).start(s0, *((list(q), list(g)) if given else ()))
-            assert chain.programs == (2 if config else 1)
+            if DEVICE == "cpu":   # (the interpreter counts 2 multiprocessors; on a GPU, bench.py routing --blocks checks
+                assert (chain.programs, chain.tiles) == ((2, 4) if config else (1, 1))   # a shape with ~30 blocks each)
             route = lambda j, x: chain.route(j, x, q[j - 1], g[j - 1])
         else:
             hist = BlockDepthHistory(range(N), (N - 1) // blocks,
@@ -2591,13 +2592,15 @@ def test_bench_routing_heads_option():
         bench.routing_main(["--heads=64"])
 
 
-def test_bench_routing_check():
+@pytest.mark.parametrize("blocks", [None, 4])
+def test_bench_routing_check(blocks):
     """bench.py routing --check-only: the fused chain against the reference (fp32 at an awkward shape; on a GPU also
-    bf16 at the paper's shapes), in Triton's interpreter on a CPU."""
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "routing", "--check-only"], capture_output=True,
-                       text=True, timeout=600)
+    bf16 at the paper's shapes), in Triton's interpreter on a CPU; --blocks=4: block routing's chain (13 sites)."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "routing", "--check-only"] +
+                       ([f"--blocks={blocks}"] if blocks else []), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    m = re.search(r"check N=5 .* out (\S+) d_source0 (\S+) dq (\S+) dg (\S+)", r.stdout)
+    m = re.search(r"check N=%d .*%s out (\S+) d_source0 (\S+) dq (\S+) dg (\S+)" % ((13, " blocks=4") if blocks else (5, "")),
+                  r.stdout)
     assert m and all(float(v) < 1e-5 for v in m.groups()), r.stdout
 
 
