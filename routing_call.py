@@ -2,8 +2,7 @@
 Rung 1 of the fused routing (arXiv 2607.27230: Eq. 2-3, Appendix E): one stateless routing call as Triton kernels, the
 algorithm in its plainest fused form, read after model.route_reference. A forward online softmax (_call_fwd), a
 backward site pass (_call_bwd_site: c, dw, each source's da and logit) and a source pass (_call_bwd_sources: each ds);
-entries route_stack (autograd, stacked sources: delta mode) and call_forward / call_backward (the launches: block
-routing, routing_block.py, on its buffer). The helpers here (tiles, one source's load, the softmax step) also serve
+entry route_stack (autograd, stacked sources: delta mode) over call_forward / call_backward (the launches). The helpers here (tiles, one source's load, the softmax step) also serve
 rung 2, the chain of a whole pass (routing_kernel.py).
 
 Math. Site j = 1..N (N = 2L+1) mixes the sources s_0..s_{j-1} (s_0 the embedding, s_n the raw output of sublayer n):
@@ -17,8 +16,7 @@ Backward at site j, with G = dLoss/dout:
     w_j[h], K = sum_j sum_h dlogit_j[n, h] logit_j[n, h] (the RMS term's <u, s_n> spans every head; <w_j[h], s_n[h]> =
     logit_j[n, h] / r_n makes it one scalar, so a program that owns one head needs no other head's vectors).
 
-Sources: an optional null vector, then N of a [., M, d] buffer (M = B*T tokens), the last one possibly further on
-(SKIP). Envelope and launch settings: routing_config.py; measured: BENCHMARKS.md.
+Sources: an optional null vector, then N of an [N, M, d] buffer (M = B*T tokens). Envelope and launch settings: routing_config.py; measured: BENCHMARKS.md.
 """
 import torch
 
@@ -78,8 +76,7 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
         return m_new, l_i * scale + p, scale, p
 
     # Sources: an optional null vector (broadcast over tokens; delta mode) as row 0 of DA / LG, then N of HIST [., M, d]
-    # with RMS factors R [., M]: slots 0..N-2 and, for the last, slot N-1+SKIP (block routing: the open block's partial
-    # sum, kept apart). A program owns a (token block, head): a [BLOCK_M, BLOCK_D] tile, D padded to 2^k.
+    # with RMS factors R [., M]. A program owns a (token block, head): a [BLOCK_M, BLOCK_D] tile, D padded to 2^k.
 
     @triton.jit
     def _null_source(NULL, h, cols, cmask, eps, DM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -105,7 +102,7 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
         HIST, R,        # [N, M, DM] history sources, [N, M] fp32 RMS factors
         NULL, Q, G,     # [DM] the null source (read if HAS_NULL), query and key gain
         OUT, LSE,       # [M, DM] routed output (the history's dtype), [H, M] fp32 log-sum-exp (for backward)
-        M, N, SKIP, eps,   # tokens, history sources, the last one's slot offset, RMS eps
+        M, N, eps,      # tokens, history sources, RMS eps
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_C: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr):
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
@@ -117,7 +114,7 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
             s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
         for n in tl.range(0, N, num_stages=STAGES):   # each source tile is read once
-            s, r = _source(HIST, R, n + SKIP * (n == N - 1), M, tile, mask, rows64, rmask, DM)
+            s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
         tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
         tl.store(LSE + h.to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
@@ -135,7 +132,7 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
     def _call_bwd_site(
         HIST, R, NULL, Q, G, LSE,   # as in _call_fwd (read); GOUT [M, DM] the upstream gradient, contiguous
         GOUT, DA, LG, C,            # DA, LG [HAS_NULL + N, H, M] fp32 per-source da, logit; C [H, M] fp32 c
-        PART, M, N, SKIP, eps,      # [token blocks, DM] fp32 partial sums of dw
+        PART, M, N, eps,            # [token blocks, DM] fp32 partial sums of dw
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_C: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr):
         # dw = sum_n alpha r (da - c) s = P - c Q per token, in one pass: c is known only at the end
@@ -151,7 +148,7 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
             c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG, h.to(tl.int64) * M + rows64,
                                               rmask)
         for n in tl.range(0, N, num_stages=STAGES):
-            s, r = _source(HIST, R, n + SKIP * (n == N - 1), M, tile, mask, rows64, rmask, DM)
+            s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
             c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG,
                                               ((n + HAS_NULL) * H + h).to(tl.int64) * M + rows64, rmask)
         tl.store(C + h.to(tl.int64) * M + rows64, c, mask=rmask)
@@ -172,9 +169,9 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
     @triton.jit
     def _call_bwd_sources(
         HIST, R, NULL, Q, G, LSE, GOUT, DA, LG, C,   # as above (read)
-        DHIST, PARTNULL, M, N, SKIP, eps, inv_dm,   # [N, M, DM] the history's gradient; [token blocks, DM] the null's
+        DHIST, PARTNULL, M, N, eps, inv_dm,   # [N, M, DM] the history's gradient; [token blocks, DM] the null's
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,   # partials
-        BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr, ACCUM: tl.constexpr):
+        BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr, HAS_NULL: tl.constexpr):
         # K couples the heads: each program loads every head's scalars of a source (a [BLOCK_H, BLOCK_M] tile)
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         cols, cmask, mask, tile = _part(h, rows64, rmask, 0, BLOCK_D, DM, D)
@@ -189,13 +186,10 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
             ds = _call_source_grad(s, r, g_up, w, 0, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm, H)
             tl.store(PARTNULL + pm.to(tl.int64) * DM + h * D + cols, tl.sum(tl.where(mask, ds, 0.0), axis=0), mask=cmask)
         for n in tl.range(0, N, num_stages=STAGES):
-            s, r = _source(HIST, R, n + SKIP * (n == N - 1), M, tile, mask, rows64, rmask, DM)
+            s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
             ds = _call_source_grad(s, r, g_up, w, n + HAS_NULL, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M,
                                    inv_dm, H)
-            dst = DHIST + (n * M).to(tl.int64) * DM + tile
-            if ACCUM:   # add to the gradient there (block routing: a block's gradient summed over the sites reading it)
-                ds += tl.load(dst, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dst, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
+            tl.store(DHIST + (n * M).to(tl.int64) * DM + tile, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
 
 
 @torch.no_grad()
@@ -212,32 +206,29 @@ def _call_launch(setting, M, d, heads, config):
     return (triton.cdiv(M, bm) * heads,), bm, warps, stages, shape
 
 
-def call_forward(hist, r, null, q, g, heads, eps, config, n=None, skip=0):
-    """Rung 1's forward over n sources of hist [., M, d] (default all; the last one read skip slots on) with RMS
-    factors r [., M]: (out [M, d], lse [heads, M])."""
+def call_forward(hist, r, null, q, g, heads, eps, config):
+    """Rung 1's forward over the sources hist [N, M, d] with RMS factors r [N, M]: (out [M, d], lse [heads, M])."""
     M, d = hist.shape[1:]
     grid, _, warps, stages, shape = _call_launch(config.call_fwd, M, d, heads, config)
     out, lse = torch.empty(M, d, dtype=hist.dtype, device=hist.device), r.new_empty(heads, M)
-    _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=n or len(hist),
-                    SKIP=skip, eps=eps, **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
+    _call_fwd[grid](HIST=hist, R=r, NULL=q if null is None else null, Q=q, G=g, OUT=out, LSE=lse, M=M, N=len(hist),
+                    eps=eps, **shape, STAGES=stages, HAS_NULL=int(null is not None), num_warps=warps)
     return out, lse
 
 
-def call_backward(hist, r, null, q, g, lse, gout, heads, eps, config, n=None, skip=0, dhist=None):
-    """Rung 1's backward (site pass, source pass), sources as call_forward's: (dhist, dnull, dq, dg); given dhist, the
-    sources' gradients are added to its first n slots."""
-    (M, d), H, has_null, n = hist.shape[1:], heads, int(null is not None), n or len(hist)
+def call_backward(hist, r, null, q, g, lse, gout, heads, eps, config):
+    """Rung 1's backward (site pass, source pass), sources as call_forward's: (dhist, dnull, dq, dg)."""
+    (M, d), H, has_null, n = hist.shape[1:], heads, int(null is not None), len(hist)
     args = dict(HIST=hist, R=r, NULL=null if has_null else q, Q=q, G=g, LSE=lse, GOUT=gout.to(hist.dtype).contiguous(),
-                M=M, N=n, SKIP=skip, eps=eps, HAS_NULL=has_null)
+                M=M, N=n, eps=eps, HAS_NULL=has_null)
     da, lg, c = r.new_empty(n + has_null, H, M), r.new_empty(n + has_null, H, M), r.new_empty(H, M)
     grid, bm, warps, stages, shape = _call_launch(config.call_site, M, d, H, config)
     part = r.new_empty(triton.cdiv(M, bm), d)   # (r: fp32)
     _call_bwd_site[grid](**args, DA=da, LG=lg, C=c, PART=part, **shape, STAGES=stages, num_warps=warps)
     grid, bm, warps, stages, shape = _call_launch(config.call_sources, M, d, H, config)
-    partnull, accum = r.new_empty(triton.cdiv(M, bm), d) if has_null else part, dhist is not None
-    dhist = torch.empty_like(hist) if dhist is None else dhist
+    partnull, dhist = r.new_empty(triton.cdiv(M, bm), d) if has_null else part, torch.empty_like(hist)
     _call_bwd_sources[grid](**args, DA=da, LG=lg, C=c, DHIST=dhist, PARTNULL=partnull, inv_dm=1.0 / d, **shape,
-                            BLOCK_H=triton.next_power_of_2(H), STAGES=stages, ACCUM=accum, num_warps=warps)
+                            BLOCK_H=triton.next_power_of_2(H), STAGES=stages, num_warps=warps)
     dw, dnull = part.sum(0), partnull.sum(0).to(null.dtype) if has_null else None
     return dhist, dnull, (dw * g.float()).to(q.dtype), (dw * q.float()).to(g.dtype)
 
