@@ -12,19 +12,23 @@ autograd sums the reference's. Site j's backward runs after every later site's (
 so dB[b] then holds the whole gradient of sublayer output i = j - 1 of block b: the later blocks' reads of block b,
 and every partial sum of block b from i on (each is o_i plus other terms).
 
-One launch per site each way. A site's sources are few (the training shapes: 5.4 a site on average) and its tokens
-are few (2-16 K), so a site costs what its launches cost: rung 1 made ~11 a site (an add with the RMS factors, the
-forward, the site pass, the source pass, dw's sum and casts, a copy of the returned gradient), ~100 us a site on an
-H200 at 1B. Here a program owns a token block over the whole width, every head, so one program has everything a
-token's terms need (the RMS factor's sum over d, K's sum over heads):
+One launch per site each way. A site's sources are few (5.4 on average at n = 8) and so are its tokens (2-16 K at
+the training microbatches), so a site costs what its launches cost: on rung 1's kernels a site takes ~11 (an add with
+the RMS factors, the forward, the site pass, the source pass, dw's sum and casts, a copy of the returned gradient),
+~100 us at 1B on an H200. Here a program owns a token block over the whole width, every head, so one program has all
+that a token's terms need (the RMS factor's sum over d, K's sum over heads):
 - _block_fwd: the newest source (the open block's sum so far plus the sublayer output) made, stored with its RMS
   factor, and routed in the same launch, last in the online softmax, from registers.
 - _block_bwd: two loops over the site's sources, c = sum_n alpha da first, then each source's gradient added to its
   block's (the second loop's reads hit L2) and written once more as the returned gradient for the newest; dw's terms
   summed per program (persistent programs over the token blocks: few partials). dq and dg of every site are made at
   site 1 from all sites' partials (one sum), when start() was given the queries and gains; else at each site.
-Bytes per site (bf16, units of M d 2 bytes, c sources): forward c + 2 + 1 (new, previous sum; stores), backward
-3c + 2 from HBM (c + G; dB read and written) and c from L2. Measured: BENCHMARKS.md.
+Bytes per site (bf16, units of M d 2 bytes, c sources): forward c + 1 read (the older sources, the sublayer output,
+the previous sum) and 2 written; backward 3c + 2 from HBM (c + G read; dB read and written; the newest's gradient)
+and c from L2. Measured on an H200 (BENCHMARKS.md): block MHAR at n = 8 runs at 0.927x / 0.940x / 0.949x of the
+baseline at 100M / 350M / 1B (on rung 1's kernels: 0.928x / 0.926x / 0.905x, each against its own process's); the
+chain alone, same process, both on default settings: 0.69x rung 1's time at 1B, 1.2x at 350M, 1.6x at 100M (the
+backward's time moves up to 2x with its launch settings, tuned per width in routing_config).
 """
 import torch
 

@@ -11,7 +11,7 @@ with every head). Neighbouring sites share reads ("read sharing" blocks): a lead
 softmax over s_0..s_{j-1} and hands its fp32 state to site j+1, which adds only s_j; a leading gather also sums source
 j-2's terms over G_j..G_N, and site j-1's gather adds only G_{j-1}. Deterministic: every sum has a fixed order.
 routing_gather.py: another backward for the same forward, without the site pass (per width); routing_block.py: block
-routing on rung 1.
+routing's own two kernels.
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets; pair (j, n) is row j(j-1)/2 + n of P = N(N+1)/2): S, GB [N, M, d]
 sources, upstream gradients (activation dtype); fp32 R [N, M], W [N, d], LSE, C [N, H, M], DA, LG [P, H, M] (da, logit;
