@@ -408,7 +408,8 @@ TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048,
 CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead",
                  "backward")
 FWD_KERNELS = ("fwd", "fwd_lead")   # the others run in one backward or the other
-BLOCK_KERNELS = ("block_fwd", "block_bwd")   # block routing's (routing_block.py; --blocks)
+BLOCK_KERNELS = ("block_fwd", "block_bwd", "block_waves")   # block routing's (routing_block.py; --blocks), waves last
+BLOCK_WAVES = (1, 2, 4, 8)   # block_waves' candidates: the backward's persistent programs per multiprocessor
 BACKWARDS = ("site", "gather")
 
 
@@ -724,7 +725,8 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES,
         cfg = rk.config_for(d, H) if per_shape else rk.DEFAULT
         for kernel in kernels:
             results, seen = [], set()
-            for cand in BACKWARDS if kernel == "backward" else candidates + ([None] if kernel.endswith("_lead") else []):
+            for cand in BACKWARDS if kernel == "backward" else BLOCK_WAVES if kernel == "block_waves" else \
+                    candidates + ([None] if kernel.endswith("_lead") else []):
                 key = cand[:1] if kernel == "pairs" and cand else cand   # the pair pass runs in the gather: its tile only
                 if key in seen:
                     continue

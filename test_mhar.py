@@ -2443,14 +2443,14 @@ def test_tune_times_each_backward_kernel_under_its_backward(monkeypatch):
 
 def test_bench_routing_blocks_option(monkeypatch):
     """bench.py routing --blocks=n: block routing's chain at every shape; n must divide every shape's sublayers and
-    --tune-train takes the block chain's kernels (by default both), each a one-line error before anything runs. The pair
+    --tune-train takes the block chain's settings (by default all three), each a one-line error before anything runs. The pair
     count behind its GB/s is the block chain's own (routing_block.BlockChain.sources), and the tune times block chains
     without forcing a backward (the block chain has one)."""
     from routing_block import BlockChain
     for argv, msg in ((["--blocks=5"], r"--blocks=5 must divide every chain shape's sublayers \(2 x n_layer: 24, 48, "
                                        r"72\): give a divisor of 24"),
                       (["--blocks=0"], r"--blocks=0 must divide"),
-                      (["--blocks=8", "--tune-train=fwd"], r"one of block_fwd, block_bwd$"),
+                      (["--blocks=8", "--tune-train=fwd"], r"one of block_fwd, block_bwd, block_waves$"),
                       (["--blocks=8", "--delta"], r"--blocks times this repo's block chain alone: drop --authors")):
         with pytest.raises(SystemExit, match=msg):
             bench.routing_main(argv)
@@ -2462,21 +2462,24 @@ def test_bench_routing_blocks_option(monkeypatch):
 
     def fake_time(impl, N, B, T, d, H, device, ref=None, graph=False, config=None, blocks=None):
         trials.append((blocks, config.backward))
-        return 1.0 + 0.1 * (config.block_bwd != (4096, 4, 3)), 0.0
+        return 1.0 + 0.1 * (config.block_bwd != (4096, 4, 3)) + 0.01 * (config.block_waves != 4), 0.0
     monkeypatch.setattr(bench, "time_chain", fake_time)
-    (cfg,) = bench.tune_configs(["block_bwd"], [("tiny-train", 2, 64, 4, 1, 16)], True, "cpu",
+    (cfg,) = bench.tune_configs(["block_bwd", "block_waves"], [("tiny-train", 2, 64, 4, 1, 16)], True, "cpu",
                                 candidates=[(1024, 2, 3), (4096, 4, 3)], blocks=2)
-    assert trials == [(2, rk.DEFAULT.backward)] * 2 and cfg.block_bwd == (4096, 4, 3)
+    assert trials == [(2, rk.DEFAULT.backward)] * (2 + len(bench.BLOCK_WAVES))
+    assert (cfg.block_bwd, cfg.block_waves) == ((4096, 4, 3), 4)
 
 
 def test_tune_candidates_cover_the_configs():
     """bench.py routing --tune / --tune-train can find every config shipped (else a retune silently drops a best)."""
-    kernels = [k for k in bench.CHAIN_KERNELS + bench.BLOCK_KERNELS if k != "backward"]
+    kernels = [k for k in bench.CHAIN_KERNELS + bench.BLOCK_KERNELS if k not in ("backward", "block_waves")]
     used = {getattr(rk.DEFAULT, k) for k in kernels if getattr(rk.DEFAULT, k) is not None} | {v for w in rk.TUNED_H200.values() for k, v in w.items()
                                                         if k in kernels and v is not None}
     assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
     backwards = {rk.DEFAULT.backward} | {w["backward"] for w in rk.TUNED_H200.values() if "backward" in w}
     assert "backward" in bench.CHAIN_KERNELS and backwards <= set(bench.BACKWARDS), backwards
+    waves = {rk.DEFAULT.block_waves} | {w["block_waves"] for w in rk.TUNED_H200.values() if "block_waves" in w}
+    assert "block_waves" in bench.BLOCK_KERNELS and waves <= set(bench.BLOCK_WAVES), waves
 
 
 def test_bench_ddp_smoke(tmp_path):
