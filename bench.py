@@ -409,7 +409,9 @@ CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "g
                  "backward")
 FWD_KERNELS = ("fwd", "fwd_lead")   # the others run in one backward or the other
 BLOCK_KERNELS = ("block_fwd", "block_bwd", "block_waves")   # block routing's (routing_block.py; --blocks), waves last
-BLOCK_WAVES = (1, 2, 4, 8)   # block_waves' candidates: the backward's persistent programs per multiprocessor
+# block_waves' candidates, the backward's persistent programs per multiprocessor: up to 32, for one-warp programs (the
+# single head's tuned tile at d 1280: 2 a multiprocessor would leave it 2 warps to hide memory latency with)
+BLOCK_WAVES = (1, 2, 4, 8, 16, 32)
 BACKWARDS = ("site", "gather")
 
 

@@ -190,6 +190,9 @@ class BlockChain(RoutingChain):
     order and backward in exact reverse order, once) and with its checks; FusedRouter(blocks=n) makes it."""
 
     def __init__(self, n_sites, tokens, d, heads, eps, dtype, device, training, config=None, blocks=1):
+        if type(blocks) is not int or blocks < 1 or (n_sites - 1) % blocks:
+            raise ValueError(f"block routing: blocks={blocks!r} must be a positive divisor of the {n_sites - 1} "
+                             f"sublayers ({n_sites} sites)")
         check_envelope(d, heads, dtype)
         self.config = config or config_for(d, heads)
         announce(self.config, d, heads)

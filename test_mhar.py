@@ -2454,6 +2454,9 @@ def test_bench_routing_blocks_option(monkeypatch):
                       (["--blocks=8", "--delta"], r"--blocks times this repo's block chain alone: drop --authors")):
         with pytest.raises(SystemExit, match=msg):
             bench.routing_main(argv)
+    for n in (5, 0):   # the chain itself refuses blocks of unequal length
+        with pytest.raises(ValueError, match=rf"blocks={n} must be a positive divisor of the 12 sublayers \(13 sites\)"):
+            BlockChain(13, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=n)
     for N, n in ((49, 8), (73, 8), (25, 4), (13, 12)):
         chain = BlockChain(N, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=n)
         assert bench.chain_pairs(N, n) == sum(chain.sources(j)[0] for j in range(1, N + 1)), (N, n)
