@@ -135,7 +135,8 @@ if triton is not None:
 
     @triton.jit
     def _add_grad(DB, GO, base, ds, off, mask, ACCUM: tl.constexpr, newest):
-        """ds added to its block's gradient (ACCUM; else it starts it), in DB's dtype; the newest source's also to GO."""
+        """ds added to its block's gradient (ACCUM; else it starts it), in DB's dtype; the newest source's also to
+        GO."""
         if ACCUM:
             ds += tl.load(DB + base + off, mask=mask, other=0.0).to(tl.float32)
         ds = _rounded(ds, DB.dtype.element_ty)
@@ -163,21 +164,22 @@ if triton is not None:
             c = tl.zeros((BLOCK_M, BH), tl.float32)
             for n in tl.range(0, count, num_stages=STAGES):   # c = sum_n alpha da, per token and head
                 slot = n + (last - n) * (n == count - 1)
-                s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b, mask_b, w_a,
-                                                    w_b, g_a, g_b, lse, DM, SPLIT)
+                s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b,
+                                                            mask_b, w_a, w_b, g_a, g_b, lse, DM, SPLIT)
                 c += alpha * da
             for n in tl.range(0, count, num_stages=STAGES):   # ds_n = alpha G + r dlogit w - (r^2 / d) K s_n
                 slot = n + (last - n) * (n == count - 1)
-                s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b, mask_b,
-                                                            w_a, w_b, g_a, g_b, lse, DM, SPLIT)
+                s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b,
+                                                            mask_b, w_a, w_b, g_a, g_b, lse, DM, SPLIT)
                 dlogit = alpha * (da - c)
-                rdl, kr = (r[:, None] * dlogit)[:, :, None], (r * r * tl.sum(dlogit * logit, axis=1) * inv_dm)[:, None, None]
+                rdl = (r[:, None] * dlogit)[:, :, None]
+                kr = (r * r * tl.sum(dlogit * logit, axis=1) * inv_dm)[:, None, None]
                 _add_grad(DB, GO, n * M64 * DM, alpha[:, :, None] * g_a + rdl * w_a - kr * s_a, off_a, mask_a, ACCUM,
                           n == count - 1)
                 dw_a += tl.sum(rdl * s_a, axis=0)[None, :, :]
                 if SPLIT:
-                    _add_grad(DB, GO, n * M64 * DM, alpha[:, :, None] * g_b + rdl * w_b - kr * s_b, off_b, mask_b, ACCUM,
-                              n == count - 1)
+                    _add_grad(DB, GO, n * M64 * DM, alpha[:, :, None] * g_b + rdl * w_b - kr * s_b, off_b, mask_b,
+                              ACCUM, n == count - 1)
                     dw_b += tl.sum(rdl * s_b, axis=0)[None, :, :]
         base = (j * programs + pid).to(tl.int64) * DM
         tl.store(PART + base + woff_a[None, :, :], dw_a, mask=wmask_a[None, :, :])
@@ -204,10 +206,12 @@ class BlockChain(RoutingChain):
         # a program holds a token block over every head, each head in one or two power-of-two column parts
         bh, (d_a, block_b, lanes) = triton.next_power_of_2(heads), _split(d // heads)
         self.shape = dict(DM=d, H=heads, D=d // heads, BH=bh, D_A=d_a, BLOCK_B=block_b)
-        self.geometry = {k: (_block_m(getattr(self.config, k)[0], bh * lanes, self.config), *getattr(self.config, k)[1:])
-                         for k in ("block_fwd", "block_bwd")}   # (BLOCK_M, warps, stages)
+        self.geometry = {k: (_block_m(tile, bh * lanes, self.config), warps, stages)   # (BLOCK_M, warps, stages)
+                         for k, (tile, warps, stages) in (("block_fwd", self.config.block_fwd),
+                                                          ("block_bwd", self.config.block_bwd))}
         self.tiles = triton.cdiv(tokens, self.geometry["block_bwd"][0])
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 2
+        cuda = torch.device(device).type == "cuda"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 2   # (the interpreter: 2)
         self.programs = min(self.tiles, self.config.block_waves * sms)   # the backward's, persistent
         if training:
             self.dB = torch.empty(blocks + 1, tokens, d, dtype=dtype, device=device)
@@ -260,7 +264,8 @@ class BlockChain(RoutingChain):
         bm, warps, stages = self.geometry["block_bwd"]
         first = j == self.N   # the first backward starts every block's gradient (site N reads them all)
         self.launcher.launch(_block_bwd, ("bwd", first), (self.programs,), warps, (grad_out, go, q, g),
-                             dict(Q=q, G=g, GOUT=grad_out, GO=go, count=count, last=count - 1 + skip, j=j - 1), lambda: dict(
+                             dict(Q=q, G=g, GOUT=grad_out, GO=go, count=count, last=count - 1 + skip, j=j - 1),
+                             lambda: dict(
             X=self.X, R=self.R, LSE=self.LSE, DB=self.dB, PART=self.PART, M=self.M, n_tiles=self.tiles,
             inv_dm=1.0 / self.d, **self.shape, BLOCK_M=bm, STAGES=stages, ACCUM=not first))
         self.next_bwd = j - 1
@@ -272,4 +277,5 @@ class BlockChain(RoutingChain):
             return go, None, None
         dw = self.PART.sum(1)   # [N, d]: every site's, a fixed order
         dq, dg = dw * torch.stack(gains).float(), dw * torch.stack(queries).float()
-        return go, None, None, *[x.to(t.dtype) for x, t in zip(dq, queries)], *[x.to(t.dtype) for x, t in zip(dg, gains)]
+        return (go, None, None, *[x.to(t.dtype) for x, t in zip(dq, queries)],
+                *[x.to(t.dtype) for x, t in zip(dg, gains)])

@@ -2,8 +2,9 @@
 Rung 1 of the fused routing (arXiv 2607.27230: Eq. 2-3, Appendix E): one stateless routing call as Triton kernels, the
 algorithm in its plainest fused form, read after model.route_reference. A forward online softmax (_call_fwd), a
 backward site pass (_call_bwd_site: c, dw, each source's da and logit) and a source pass (_call_bwd_sources: each ds);
-entry route_stack (autograd, stacked sources: delta mode) over call_forward / call_backward (the launches). The helpers here (tiles, one source's load, the softmax step) also serve
-rung 2, the chain of a whole pass (routing_kernel.py).
+entry route_stack (autograd, stacked sources: delta mode) over call_forward / call_backward (the launches). The
+helpers here (tiles, one source's load, the softmax step) also serve rung 2, the chain of a whole pass
+(routing_kernel.py).
 
 Math. Site j = 1..N (N = 2L+1) mixes the sources s_0..s_{j-1} (s_0 the embedding, s_n the raw output of sublayer n):
     r_n = (mean_k s_n[k]^2 + eps)^(-1/2) (RMS over the FULL width d),  w = q * g (the key gain folded into the query)
@@ -16,7 +17,8 @@ Backward at site j, with G = dLoss/dout:
     w_j[h], K = sum_j sum_h dlogit_j[n, h] logit_j[n, h] (the RMS term's <u, s_n> spans every head; <w_j[h], s_n[h]> =
     logit_j[n, h] / r_n makes it one scalar, so a program that owns one head needs no other head's vectors).
 
-Sources: an optional null vector, then N of an [N, M, d] buffer (M = B*T tokens). Envelope and launch settings: routing_config.py; measured: BENCHMARKS.md.
+Sources: an optional null vector, then N of an [N, M, d] buffer (M = B*T tokens). Envelope and launch settings:
+routing_config.py; measured: BENCHMARKS.md.
 """
 import torch
 
