@@ -27,9 +27,10 @@ garbage-collected process and a reset torch.compile cache).
 sublayer between sites), fused against the reference, at the paper's Table 5 shapes and training microbatches:
 correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the 6-byte model,
 per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --blocks=n times block routing
-(routing_block.py) instead; --tune / --tune-train search the launch settings (routing_config.RoutingConfig), --check-large checks offsets past 2^31 elements, --delta times the
-per-call kernels at an 8B delta model's shape, --authors=PATH and --peers=fla,liger time ours beside the authors'
-kernel and the single-head kernels of fla-core and Liger-Kernel (when installed). See `python bench.py routing -h`.
+(routing_block.py) instead; --tune / --tune-train search the launch settings (routing_config.RoutingConfig),
+--check-large checks offsets past 2^31 elements, --delta times the per-call kernels at an 8B delta model's shape,
+--authors=PATH and --peers=fla,liger time ours beside the authors' kernel and the single-head kernels of fla-core and
+Liger-Kernel (when installed). See `python bench.py routing -h`.
 
 3. `python bench.py generate`: tokens/s of GPT.generate with and without the KV cache and its CUDA-graphed step.
 
@@ -807,7 +808,8 @@ def routing_main(argv):
     shapes = [(13 if args.blocks else 5, 1, 33, 96, 4, torch.float32)]
     if device.startswith("cuda"):
         shapes += [(25, 2, 2048, 512, 4, torch.bfloat16), (49, 1, 1024, 1024, 8, torch.bfloat16),
-                   (73, 1, 1024, 1280, 8, torch.bfloat16)] + ([(25, 8, 2048, 512, 4, torch.bfloat16)] if args.blocks else [])
+                   (73, 1, 1024, 1280, 8, torch.bfloat16)]
+        shapes += [(25, 8, 2048, 512, 4, torch.bfloat16)] if args.blocks else []
     for N, B, T, d, H, dtype in shapes:
         blocks = args.blocks and math.gcd(N - 1, args.blocks)
         errs = check_against_reference(N, B, T, d, H, dtype, device, blocks=blocks)

@@ -225,10 +225,6 @@ class BlockChain(RoutingChain):
         self.launcher.refresh(self.config.direct)
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
-    def block_of(self, i):
-        """The block slot of sublayer output i (0: the embedding, slot 0)."""
-        return -(-i // self.P)
-
     def sources(self, j):
         """Site j's sources as the kernels take them: (count, skip): slots 0..count-1, the last one skip slots on."""
         i = j - 1   # the newest source: sublayer i's output (i = 0: the embedding)
