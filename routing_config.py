@@ -60,17 +60,18 @@ DEFAULT = RoutingConfig()
 # backward's time moved up to 2x between settings, so each width has its own.
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
-                   stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(1024, 4, 3)),
+                   stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16),
     # site and gather: the site-pass backward's, tuned (its chain 9.34 -> 6.87 ms), used when that backward is forced
     (512, 1): dict(site=(4096, 4, 3), gather=(4096, 4, 3), backward="gather", block_fwd=(512, 1, 3),
-                   block_bwd=(4096, 4, 4)),
-    (768, 4): dict(block_fwd=(512, 1, 3), block_bwd=(4096, 4, 4)),
+                   block_bwd=(1024, 2, 3), block_waves=16),
+    (768, 4): dict(block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4),
     (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
-                    gather_lead=(4096, 4, 4), stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3)),
-    (1024, 1): dict(backward="gather", block_fwd=(512, 1, 3)),
+                    gather_lead=(4096, 4, 4), stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3),
+                    block_waves=8),
+    (1024, 1): dict(backward="gather", block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
     (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather",
-                    block_fwd=(512, 1, 3), block_bwd=(16384, 8, 3)),
-    (1280, 1): dict(block_fwd=(512, 1, 3), block_bwd=(512, 1, 3)),
+                    block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
+    (1280, 1): dict(block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
 }
 
 
