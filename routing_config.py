@@ -34,7 +34,7 @@ class RoutingConfig:
     call_site: tuple = (8192, 8, 3)  # tokens): a site tile of 16384 made its 64 calls 72.2 ms instead of 65.7
     call_sources: tuple = (1024, 2, 3)
     # block routing's (routing_block.py): a program holds a token block over every head; the backward's programs are
-    # persistent, block_waves per streaming multiprocessor (each sums its dw terms in registers: few partials)
+    # persistent, block_waves per streaming multiprocessor (each sums its dw terms in registers: one partial a program)
     block_fwd: tuple = (4096, 4, 3)
     block_bwd: tuple = (4096, 4, 3)
     block_waves: int = 2
@@ -56,8 +56,9 @@ DEFAULT = RoutingConfig()
 # was faster in the chain and in the step: the single head at d 512 (chain 0.70x; step 0.84x -> 0.90x of the
 # baseline's tokens/s) and d 1024 (0.62x; 0.75x -> 0.84x), MHAR at 1B (0.92x; 0.80x -> 0.82x), for ~0.7 GB more
 # memory (its fp32 site outputs). Elsewhere it was within 4% or slower (d 768: 1.08-1.14x, on DEFAULT's settings).
-# block_fwd, block_bwd: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8 --tune-train`); the
-# backward's time moved up to 2x between settings, so each width has its own.
+# block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
+# --tune-train`, then a tile x waves grid where the descent stopped early: 1B MHAR 4.70 -> 3.91 ms); the backward's
+# time moved up to 2x between tiles and again between wave counts, so each width has its own.
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
                    stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16),
