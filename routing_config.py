@@ -56,23 +56,35 @@ DEFAULT = RoutingConfig()
 # was faster in the chain and in the step: the single head at d 512 (chain 0.70x; step 0.84x -> 0.90x of the
 # baseline's tokens/s) and d 1024 (0.62x; 0.75x -> 0.84x), MHAR at 1B (0.92x; 0.80x -> 0.82x), for ~0.7 GB more
 # memory (its fp32 site outputs). Elsewhere it was within 4% or slower (d 768: 1.08-1.14x, on DEFAULT's settings).
+# The single head's every kernel then tuned at its training microbatch (results/gather_backward/tune_h1_full_h200.txt;
+# the chain alone, not yet the step): one-warp gather tiles took the chain 6.54 -> 4.46 ms at d 512, 10.30 -> 6.57 at
+# d 768, 9.82 -> 6.87 at d 1024 (gather backward), 15.10 -> 11.53 at d 1280 (site backward): below MHAR's 5.88 / 9.46
+# / 13.53 ms at 100M / 350M / 1B on its own settings, which one-warp gathers have not been tried on.
 # block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
 # --tune-train`, then a tile x waves grid where the descent stopped early: 1B MHAR 4.70 -> 3.91 ms); the backward's
 # time moved up to 2x between tiles and again between wave counts, so each width has its own.
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
                    stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16),
-    # site and gather: the site-pass backward's, tuned (its chain 9.34 -> 6.87 ms), used when that backward is forced
-    (512, 1): dict(site=(4096, 4, 3), gather=(4096, 4, 3), backward="gather", block_fwd=(512, 1, 3),
-                   block_bwd=(1024, 2, 3), block_waves=16),
+    # the single head: every kernel tuned (site, pairs, gather: the site-pass backward's, used when it is forced)
+    (512, 1): dict(fwd=(512, 1, 3), site=(1024, 2, 4), pairs=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3),
+                   gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
+                   block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3), block_waves=16),
     (768, 4): dict(block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4),
+    (768, 1): dict(fwd=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3), gather_lead=(512, 1, 3),
+                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
                     gather_lead=(4096, 4, 4), stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3),
                     block_waves=8),
-    (1024, 1): dict(backward="gather", block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
+    (1024, 1): dict(fwd=(2048, 4, 3), site=(4096, 4, 4), pairs=(8192, 8, 3), gather=(8192, 8, 4), fwd_lead=(512, 1, 3),
+                    gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
+                    block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
     (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather",
                     block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
-    (1280, 1): dict(block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
+    # the site-pass backward's kernels and the leads tuned; the gather backward's tuning did not finish here (its best
+    # so far, 12.14 ms, behind this 11.53)
+    (1280, 1): dict(fwd=(512, 1, 3), site=(512, 1, 3), pairs=(4096, 4, 3), gather=(16384, 8, 3), fwd_lead=(16384, 8, 3),
+                    gather_lead=(512, 1, 3), block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
 }
 
 

@@ -861,6 +861,16 @@ def test_fused_gather_backward_shared_reads(least, dtype):
     assert chain.gather_lead == ({2, 4, 6} if least == 1 else {2, 4}) and chain.gather_launch[True][0] >= 1
 
 
+@pytest.mark.parametrize("backward", ["site", "gather"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_chain_one_token_programs(backward, dtype):
+    """One token a program (what the one-warp tiles TUNED_H200 ships give at d >= 512 on a GPU): both backwards, read
+    sharing on, a single head and four heads, against the reference."""
+    config = rk.RoutingConfig(max_block_m=1, backward=backward, lead_min=1)
+    check_fused_chain(5, 2, 7, 40, 1, dtype, config)
+    check_fused_chain(4, 1, 5, 96, 4, dtype, config)
+
+
 @pytest.mark.parametrize("mode,H", [("mhar", 2), ("attnres", None)])
 def test_fused_gather_backward_in_a_model(mode, H):
     """The gather backward in a model, with route_scale 0.5 (its gains are not leaves): logits and every parameter
