@@ -777,7 +777,8 @@ def routing_main(argv):
                    help="block routing in N blocks (routing_block.py) at every chain shape: its time and profile, and "
                    f"--tune-train of {', '.join(BLOCK_KERNELS)} on it (N must divide every shape's 2L sublayers)")
     p.add_argument("--heads", type=int, default=None, metavar="H",
-                   help="route every chain shape (timing and tuning) with H heads instead of its own (1: the single head)")
+                   help="route every chain shape (checks, timing and tuning) with H heads instead of its own (1: the "
+                   "single head)")
     p.add_argument("--output", default="out/routing_bench.json", help="results JSON")
     args = p.parse_args(argv)
     chain_shapes = CHAIN_SHAPES if args.heads is None else [(name, L, d, args.heads, B, T)
@@ -811,6 +812,7 @@ def routing_main(argv):
                    (73, 1, 1024, 1280, 8, torch.bfloat16)]
         shapes += [(25, 8, 2048, 512, 4, torch.bfloat16)] if args.blocks else []
     for N, B, T, d, H, dtype in shapes:
+        H = args.heads if args.heads and d % args.heads == 0 and d // args.heads >= 16 else H   # --heads where it fits
         blocks = args.blocks and math.gcd(N - 1, args.blocks)
         errs = check_against_reference(N, B, T, d, H, dtype, device, blocks=blocks)
         print(f"check N={N} B={B} T={T} d={d} H={H} {str(dtype):15s}" + (f" blocks={blocks}" if blocks else "") + " " +

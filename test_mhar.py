@@ -2608,15 +2608,17 @@ def test_bench_routing_heads_option():
         bench.routing_main(["--heads=64"])
 
 
-@pytest.mark.parametrize("blocks", [None, 4])
-def test_bench_routing_check(blocks):
+@pytest.mark.parametrize("blocks,heads", [(None, None), (4, None), (None, 1)])
+def test_bench_routing_check(blocks, heads):
     """bench.py routing --check-only: the fused chain against the reference (fp32 at an awkward shape; on a GPU also
-    bf16 at the paper's shapes), in Triton's interpreter on a CPU; --blocks=4: block routing's chain (13 sites)."""
+    bf16 at the paper's shapes), in Triton's interpreter on a CPU; --blocks=4: block routing's chain (13 sites);
+    --heads=1: every check with the single head."""
     r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "routing", "--check-only"] +
-                       ([f"--blocks={blocks}"] if blocks else []), capture_output=True, text=True, timeout=600)
+                       ([f"--blocks={blocks}"] if blocks else []) + ([f"--heads={heads}"] if heads else []),
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    m = re.search(r"check N=%d .*%s out (\S+) d_source0 (\S+) dq (\S+) dg (\S+)" % ((13, " blocks=4") if blocks else (5, "")),
-                  r.stdout)
+    m = re.search(r"check N=%d .* H=%d .*%s out (\S+) d_source0 (\S+) dq (\S+) dg (\S+)"
+                  % ((13, heads or 4, " blocks=4") if blocks else (5, heads or 4, "")), r.stdout)
     assert m and all(float(v) < 1e-5 for v in m.groups()), r.stdout
 
 
