@@ -25,9 +25,9 @@ garbage-collected process and a reset torch.compile cache).
 
 2. `python bench.py routing`: the routing chain alone (every site of a model, forward and backward, an elementwise
 sublayer between sites), fused against the reference, at the paper's Table 5 shapes and training microbatches:
-correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the 6-byte model,
-per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --blocks=n times block routing
-(routing_block.py) instead; --tune / --tune-train search the launch settings (routing_config.RoutingConfig),
+correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the design's byte
+model (chain_bytes), per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --blocks=n
+times block routing (routing_block.py) instead; --tune / --tune-train search the launch settings (routing_config.RoutingConfig),
 --check-large checks offsets past 2^31 elements, --delta times the per-call kernels at an 8B delta model's shape,
 --authors=PATH and --peers=fla,liger time ours beside the authors' kernel and the single-head kernels of fla-core and
 Liger-Kernel (when installed). See `python bench.py routing -h`.
@@ -717,6 +717,14 @@ def chain_pairs(N, blocks=None):
     return sum(1 + (j - 1) // P + ((j - 1) % P != 0) for j in range(1, N + 1))
 
 
+def chain_bytes(N, tokens, d, blocks=None):
+    """The bf16 bytes a chain must move at least, by each design's own model: full routing 3 reads of every (source,
+    site) pair's M x d (6 B a pair and channel); block routing's kernels (routing_block.py's header) c + 3 passes over
+    M x d forward and 3c + 2 backward for a site of c sources, 4 x pairs + 5 N passes in all."""
+    passes = 3 * chain_pairs(N) if not blocks else 4 * chain_pairs(N, blocks) + 5 * N
+    return 2 * passes * tokens * d
+
+
 def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES, blocks=None):
     """Coordinate descent over each kernel's (tile, warps, stages) on chain GPU time (graph replay): from DEFAULT, the
     best geometric mean over all shapes (per_shape=False); or from config_for(d, H), the best at each shape; _lead
@@ -851,13 +859,13 @@ def routing_main(argv):
         ref_compiled = torch.compile(route_reference, dynamic=True)
         for name, L, d, H, B, T in chain_shapes:
             N = 2 * L + 1
-            bytes6 = 6 * chain_pairs(N, args.blocks) * B * T * d
+            model = "4c + 5 passes a site" if args.blocks else "6 B/pair-elem"
             for impl in ("fused", "fused-graph") + (() if name.endswith("train") else ("compiled", "eager")):
                 t, mem = time_chain(impl.split("-")[0], N, B, T, d, H, device, ref_compiled, graph=impl.endswith("graph"),
                                     blocks=args.blocks)
-                gbps = bytes6 / t / 1e6
+                gbps = chain_bytes(N, B * T, d, args.blocks) / t / 1e6
                 rows.append(dict(shape=name, heads=H, impl=impl, ms=t, gbps=gbps, copy_frac=gbps / copy_bw, peak_gb=mem))
-                print(f"{name:11s} H={H:<2d} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s (6 B/pair-elem, "
+                print(f"{name:11s} H={H:<2d} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s ({model}, "
                       f"{100 * gbps / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
             if not name.endswith("train"):
                 try:

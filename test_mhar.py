@@ -2471,6 +2471,10 @@ def test_bench_routing_blocks_option(monkeypatch):
         chain = BlockChain(N, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=n)
         assert bench.chain_pairs(N, n) == sum(chain.sources(j)[0] for j in range(1, N + 1)), (N, n)
     assert bench.chain_pairs(13, 12) == bench.chain_pairs(13) == 13 * 14 // 2   # one sublayer a block: full routing
+    # each design's byte floor: full routing 3 passes a pair; block routing c + 3 forward, 3c + 2 backward a site
+    assert bench.chain_bytes(13, 10, 32) == 3 * 91 * 2 * 10 * 32
+    chain = BlockChain(25, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=4)
+    assert bench.chain_bytes(25, 10, 32, 4) == sum(4 * chain.sources(j)[0] + 5 for j in range(1, 26)) * 2 * 10 * 32
     trials = []
 
     def fake_time(impl, N, B, T, d, H, device, ref=None, graph=False, config=None, blocks=None):
