@@ -17,7 +17,8 @@ Cost model: per (source, site) pair and channel the forward's 2 bytes (bf16) and
 pass, less what sharing saves; per site ~10 more (the fp32 output written and read, s_n read again for dw). Memory:
 the fp32 outputs [N, M, d] and dw's per-pair partial terms instead of the site pass's per-pair logits and K terms.
 Measured on an H200 (BENCHMARKS.md): far from that model, 0.92-0.98x of the site-pass chain's time for MHAR at the
-training microbatches and 0.62-0.70x for the single head at d 512 / 1024 (slower at d 768), so it is chosen per width.
+training microbatches on 1,024-element tiles. The single head, each backward tuned at its width in one process: 0.80x
+/ 0.71x / 0.74x at d 512 / 768 / 1024 on one-warp 512-element tiles (one token a program), so it is chosen per width.
 """
 import torch
 import triton
