@@ -409,7 +409,7 @@ TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048,
 CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead",
                  "backward")
 FWD_KERNELS = ("fwd", "fwd_lead")   # the others run in one backward or the other
-BLOCK_KERNELS = ("block_fwd", "block_bwd", "block_waves")   # block routing's (routing_block.py; --blocks), waves last
+BLOCK_KERNELS = ("block_fwd", "block_bwd", "block_waves")   # block routing's (routing_block.py; --blocks)
 # block_waves' candidates, the backward's persistent programs per multiprocessor: up to 32, for one-warp programs (the
 # single head's tuned tile at d 1280: 2 a multiprocessor would leave it 2 warps to hide memory latency with)
 BLOCK_WAVES = (1, 2, 4, 8, 16, 32)
@@ -728,15 +728,22 @@ def chain_bytes(N, tokens, d, blocks=None):
 def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES, blocks=None):
     """Coordinate descent over each kernel's (tile, warps, stages) on chain GPU time (graph replay): from DEFAULT, the
     best geometric mean over all shapes (per_shape=False); or from config_for(d, H), the best at each shape; _lead
-    kernels may also pick None (no pairing); blocks = n: block routing's chain (its kernels, BLOCK_KERNELS).
+    kernels may also pick None (no pairing); blocks = n: block routing's chain (its kernels, BLOCK_KERNELS; block_bwd
+    and block_waves over their product when both are asked for: one at a time stopped 0.8 ms short at 1B).
     Returns the configs and prints what changed, for RoutingConfig's defaults or a TUNED_H200 entry."""
+    joint = "block_bwd" in kernels and "block_waves" in kernels   # the block backward's tile x its programs
+    settings = lambda kernel, cand: dict(zip(("block_bwd", "block_waves"), cand)) if joint and kernel == "block_bwd" \
+        else {kernel: cand}
     tuned = []
     for group in ([[s] for s in shapes] if per_shape else [shapes]):
         _, _, d, H, _, _ = group[0]
         cfg = rk.config_for(d, H) if per_shape else rk.DEFAULT
         for kernel in kernels:
+            if joint and kernel == "block_waves":
+                continue
             results, seen = [], set()
             for cand in BACKWARDS if kernel == "backward" else BLOCK_WAVES if kernel == "block_waves" else \
+                    [(c, w) for c in candidates for w in BLOCK_WAVES] if joint and kernel == "block_bwd" else \
                     candidates + ([None] if kernel.endswith("_lead") else []):
                 key = cand[:1] if kernel == "pairs" and cand else cand   # the pair pass runs in the gather: its tile only
                 if key in seen:
@@ -745,7 +752,7 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES,
                 # a kernel is timed in the backward that runs it (the site pass's kernels: "site"; _bwd: "gather")
                 backward = ({"backward": "gather" if "bwd" in kernel else "site"}
                             if kernel not in FWD_KERNELS + BLOCK_KERNELS + ("backward",) else {})
-                trial = replace(cfg, **{kernel: cand}, **backward)
+                trial = replace(cfg, **settings(kernel, cand), **backward)
                 try:
                     times = [time_chain("fused", 2 * L + 1, B, T, dd, HH, device, graph=True, config=trial,
                                         blocks=blocks)[0] for _, L, dd, HH, B, T in group]
@@ -755,7 +762,7 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES,
                 results.append((math.prod(times) ** (1 / len(times)), str(cand), cand))
                 print(f"tune {kernel:11s} {str(cand):16s} " + " | ".join(f"{s[0]} {t:6.2f} ms" for s, t in zip(group, times)),
                       flush=True)
-            cfg = replace(cfg, **{kernel: min(results)[2]})
+            cfg = replace(cfg, **settings(kernel, min(results)[2]))
         changed = {f.name: getattr(cfg, f.name) for f in fields(cfg)
                    if f.name != "name" and getattr(cfg, f.name) != getattr(rk.DEFAULT, f.name)}
         print(f"tuned {'(%d, %d)' % (d, H) if per_shape else 'DEFAULT'}: {changed}", flush=True)

@@ -61,8 +61,8 @@ DEFAULT = RoutingConfig()
 # d 768, 9.82 -> 6.87 at d 1024 (gather backward), 15.10 -> 11.53 at d 1280 (site backward): below MHAR's 5.88 / 9.46
 # / 13.53 ms at 100M / 350M / 1B on its own settings, which one-warp gathers have not been tried on.
 # block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
-# --tune-train`, then a tile x waves grid where the descent stopped early: 1B MHAR 4.70 -> 3.91 ms); the backward's
-# time moved up to 2x between tiles and again between wave counts, so each width has its own.
+# --tune-train`, which searches block_bwd x block_waves together: one at a time left 1B MHAR at 4.70 ms, the product
+# found 3.91); the backward's time moved up to 2x between tiles and again between wave counts: each width has its own.
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
                    stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16),

@@ -2479,12 +2479,18 @@ def test_bench_routing_blocks_option(monkeypatch):
 
     def fake_time(impl, N, B, T, d, H, device, ref=None, graph=False, config=None, blocks=None):
         trials.append((blocks, config.backward))
+        if (config.block_bwd, config.block_waves) == ((1024, 2, 3), 8):   # best, but not at the other's best
+            return 0.5, 0.0
         return 1.0 + 0.1 * (config.block_bwd != (4096, 4, 3)) + 0.01 * (config.block_waves != 4), 0.0
     monkeypatch.setattr(bench, "time_chain", fake_time)
-    (cfg,) = bench.tune_configs(["block_bwd", "block_waves"], [("tiny-train", 2, 64, 4, 1, 16)], True, "cpu",
+    shape = [("tiny-train", 2, 64, 4, 1, 16)]
+    (cfg,) = bench.tune_configs(["block_waves"], shape, True, "cpu", blocks=2)   # alone: its own best at the tile
+    assert trials == [(2, rk.DEFAULT.backward)] * len(bench.BLOCK_WAVES) and cfg.block_waves == 4
+    trials.clear()   # together: the tile x waves product, where one at a time would stop at ((4096, 4, 3), 4)
+    (cfg,) = bench.tune_configs(["block_bwd", "block_waves"], shape, True, "cpu",
                                 candidates=[(1024, 2, 3), (4096, 4, 3)], blocks=2)
-    assert trials == [(2, rk.DEFAULT.backward)] * (2 + len(bench.BLOCK_WAVES))
-    assert (cfg.block_bwd, cfg.block_waves) == ((4096, 4, 3), 4)
+    assert trials == [(2, rk.DEFAULT.backward)] * (2 * len(bench.BLOCK_WAVES))
+    assert (cfg.block_bwd, cfg.block_waves) == ((1024, 2, 3), 8)
 
 
 def test_tune_candidates_cover_the_configs():
