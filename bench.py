@@ -25,12 +25,12 @@ garbage-collected process and a reset torch.compile cache).
 
 2. `python bench.py routing`: the routing chain alone (every site of a model, forward and backward, an elementwise
 sublayer between sites), fused against the reference, at the paper's Table 5 shapes and training microbatches:
-correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the design's byte
-model (chain_bytes), per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --blocks=n
-times block routing (routing_block.py) instead; --tune / --tune-train search the launch settings
-(routing_config.RoutingConfig), --check-large checks offsets past 2^31 elements, --delta times the per-call kernels at an 8B delta model's shape,
---authors=PATH and --peers=fla,liger time ours beside the authors' kernel and the single-head kernels of fla-core and
-Liger-Kernel (when installed). See `python bench.py routing -h`.
+correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the design's byte model
+(chain_bytes), per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --blocks=n times
+block routing (routing_block.py) instead; --tune / --tune-train search the launch settings
+(routing_config.RoutingConfig), --check-large checks offsets past 2^31 elements, --delta times the per-call kernels at
+an 8B delta model's shape, --authors=PATH and --peers=fla,liger time ours beside the authors' kernel and the single-head
+kernels of fla-core and Liger-Kernel (when installed). See `python bench.py routing -h`.
 
 3. `python bench.py generate`: tokens/s of GPT.generate with and without the KV cache and its CUDA-graphed step.
 
