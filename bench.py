@@ -811,8 +811,9 @@ def routing_main(argv):
     if args.blocks is not None and (args.blocks < 1 or math.gcd(*sublayers) % args.blocks):
         sys.exit(f"bench.py routing: --blocks={args.blocks} must divide every chain shape's sublayers (2 x n_layer: "
                  f"{', '.join(map(str, sublayers))}): give a divisor of {math.gcd(*sublayers)}, e.g. 8")
+    heads_fit = lambda d, H: H >= 1 and d % H == 0 and d // H >= 16   # the kernels' envelope (check_envelope)
     for name, _, d, H, _, _ in chain_shapes:
-        if H < 1 or d % H or d // H < 16:
+        if not heads_fit(d, H):
             sys.exit(f"bench.py routing: --heads={H} does not fit the {name} shape's width d={d} (H must divide d with "
                      f"d/H >= 16)")
     authors, peers = load_authors(args.authors) if args.authors else None, load_peers(args.peers) if args.peers else None
@@ -827,7 +828,7 @@ def routing_main(argv):
                    (73, 1, 1024, 1280, 8, torch.bfloat16)]
         shapes += [(25, 8, 2048, 512, 4, torch.bfloat16)] if args.blocks else []
     for N, B, T, d, H, dtype in shapes:
-        H = args.heads if args.heads and d % args.heads == 0 and d // args.heads >= 16 else H   # --heads where it fits
+        H = args.heads if args.heads and heads_fit(d, args.heads) else H   # --heads where it fits
         blocks = args.blocks and math.gcd(N - 1, args.blocks)
         errs = check_against_reference(N, B, T, d, H, dtype, device, blocks=blocks)
         print(f"check N={N} B={B} T={T} d={d} H={H} {str(dtype):15s}" + (f" blocks={blocks}" if blocks else "") + " " +

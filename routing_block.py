@@ -27,7 +27,7 @@ Bytes per site (bf16, units of M d 2 bytes, c sources): forward c + 1 read (the 
 the previous sum) and 2 written; backward 3c + 2 from HBM (c + G read; dB read and written; the newest's gradient)
 and c from L2. Measured on an H200 (BENCHMARKS.md): block MHAR at n = 8 runs at 0.957x / 0.960x / 0.965x of the
 baseline at 100M / 350M / 1B (on rung 1's kernels: 0.928x / 0.926x / 0.905x, each against its own process's); the
-chain alone, same process, both on default settings: 0.69x rung 1's time at 1B, 1.2x at 350M, 1.6x at 100M. The
+chain alone, same process, both on the default settings then: 0.69x rung 1's time at 1B, 1.2x at 350M, 1.6x at 100M. The
 backward's time moves up to 2x with its tile and again with its programs per multiprocessor (block_waves): the tuned
 settings (routing_config) are one-warp programs, 8-16 a multiprocessor, at most widths; their dw partials (PART, fp32,
 sites x programs x d) are then ~0.4 GB at 1B.

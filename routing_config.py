@@ -61,7 +61,7 @@ DEFAULT = RoutingConfig()
 # The single head's every kernel then tuned at its training microbatch (results/gather_backward/tune_h1_full_h200.txt;
 # the chain alone, not yet the step): one-warp gather tiles took the chain 6.54 -> 4.46 ms at d 512, 10.30 -> 6.57 at
 # d 768, 9.82 -> 6.87 at d 1024 (gather backward), 15.10 -> 11.53 at d 1280 (site backward): below MHAR's 5.88 / 9.46
-# / 13.53 ms at 100M / 350M / 1B on its own settings, which one-warp gathers have not been tried on.
+# / 13.53 ms at 100M / 350M / 1B in another call, on settings which one-warp gathers have not been tried on.
 # block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
 # --tune-train`, which searches block_bwd x block_waves together: one at a time left 1B MHAR at 4.70 ms, the product
 # found 3.91); the backward's time moved up to 2x between tiles and again between wave counts: each width has its own.
