@@ -101,8 +101,8 @@ def scale_config(scale, vocab):
 
 def forced_backward(d, H, backward):
     """The width's launch settings with the chain's backward forced ("site" or "gather": the *_site / *_gather
-    variants)."""
-    return replace(rk.config_for(d, H), backward=backward)
+    variants), at every token count."""
+    return replace(rk.config_for(d, H), backward=backward, gather_min_tokens=0)
 
 
 def build(scale, variant, device, compile_model, vocab):
@@ -644,14 +644,14 @@ def load_peers(names):
 def side_by_side(others, device, copy_bw, rounds=3):
     """Our chain and others on the same inputs in this process, at every CHAIN_SHAPES shape: eager wall time (timed
     alternately, `rounds` times each, medians), CUDA-graph GPU time, peak memory, the fraction of the bandwidth bound
-    each reaches (3 reads per source-site pair and channel at this run's copy bandwidth), and each one's output against
-    the reference chain's. others: {"authors": their module} (MHAR at each shape's H) or single-head peers
-    {"fla": call, "liger": call} (load_peers; every chain then at H = 1)."""
+    each reaches (chain_bytes at this run's copy bandwidth), and each one's output against the reference chain's.
+    others: {"authors": their module} (MHAR at each shape's H) or single-head peers {"fla": call, "liger": call}
+    (load_peers; every chain then at H = 1)."""
     from triton.testing import do_bench
     rows = []
     for name, L, d, H, B, T in CHAIN_SHAPES:
         N, H = 2 * L + 1, H if "authors" in others else 1
-        bound_ms = 3 * N * (N + 1) // 2 * B * T * d * 2 / copy_bw / 1e6
+        bound_ms = chain_bytes(N, B * T, d) / copy_bw / 1e6
         steps = {impl: chain_step(impl, N, B, T, d, H, device, authors=others.get(impl)) for impl in ("fused", *others)}
         ref = chain_step("reference", N, B, T, d, H, device)
         ref()
@@ -718,10 +718,12 @@ def chain_pairs(N, blocks=None):
 
 
 def chain_bytes(N, tokens, d, blocks=None):
-    """The bf16 bytes a chain must move at least, by each design's own model: full routing 3 reads of every (source,
-    site) pair's M x d (6 B a pair and channel); block routing's kernels (routing_block.py's header) c + 3 passes over
-    M x d forward and 3c + 2 backward for a site of c sources, 4 x pairs + 5 N passes in all."""
-    passes = 3 * chain_pairs(N) if not blocks else 4 * chain_pairs(N, blocks) + 5 * N
+    """The bf16 bytes a chain must move at least, by each design's own model, before any read sharing: full routing
+    (routing_gather.py's header) 2 reads of every (source, site) pair's M x d, the forward's and the gather's, and 5
+    passes a site (its fp32 output written and read, its source read again for dw), 2 x pairs + 5 N passes in all (the
+    site-pass backward's 3 x pairs is more); block routing's kernels (routing_block.py's header) c + 3 passes over M x d
+    forward and 3c + 2 backward for a site of c sources, 4 x pairs + 5 N passes in all."""
+    passes = (2 * chain_pairs(N) if not blocks else 4 * chain_pairs(N, blocks)) + 5 * N
     return 2 * passes * tokens * d
 
 
@@ -867,7 +869,7 @@ def routing_main(argv):
         ref_compiled = torch.compile(route_reference, dynamic=True)
         for name, L, d, H, B, T in chain_shapes:
             N = 2 * L + 1
-            model = "4c + 5 passes a site" if args.blocks else "6 B/pair-elem"
+            model = "4c + 5 passes a site" if args.blocks else "2c + 5 passes a site"
             for impl in ("fused", "fused-graph") + (() if name.endswith("train") else ("compiled", "eager")):
                 t, mem = time_chain(impl.split("-")[0], N, B, T, d, H, device, ref_compiled, graph=impl.endswith("graph"),
                                     blocks=args.blocks)

@@ -43,6 +43,7 @@ class RoutingConfig:
     max_block_m: int = 256 if INTERPRET else 64   # tokens per program at most (the interpreter: few, big programs)
     direct: bool = True   # the chain calls its compiled kernels' launchers directly (Launcher, below)
     backward: str = "site"   # "gather": routing_gather.GatherChain's backward, no site pass (its queries need start's)
+    gather_min_tokens: int = 0   # backward="gather" from this many tokens a pass (B x T); fewer: the site pass's
     # routing_gather's gather and its leading form: the tile holds a token's every head (ptxas for sm_90: 1024 elements
     # on 4 warps keep every training width at 48-165 registers without spills; the site design's 4096-element gather
     # tile spilled here at d 1024)
@@ -58,35 +59,42 @@ DEFAULT = RoutingConfig()
 # was faster in the chain and in the step: the single head at d 512 (chain 0.70x; step 0.84x -> 0.90x of the
 # baseline's tokens/s) and d 1024 (0.62x; 0.75x -> 0.84x), MHAR at 1B (0.92x; 0.80x -> 0.82x), for ~0.7 GB more
 # memory (its fp32 site outputs). Elsewhere it was within 4% or slower (d 768: 1.08-1.14x, on DEFAULT's settings).
-# The single head's every kernel then tuned at its training microbatch (results/gather_backward/tune_h1_full_h200.txt;
-# the chain alone, not yet the step): one-warp gather tiles took the chain 6.54 -> 4.46 ms at d 512, 10.30 -> 6.57 at
-# d 768, 9.82 -> 6.87 at d 1024 (gather backward), 15.10 -> 11.53 at d 1280 (site backward): below MHAR's 5.88 / 9.46
-# / 13.53 ms at 100M / 350M / 1B in another call, on settings which one-warp gathers have not been tried on.
+# The single head's every kernel then tuned at its training microbatch (results/gather_backward/tune_h1_full_h200.txt):
+# one-warp gather tiles took the chain 6.54 -> 4.46 ms at d 512, 10.30 -> 6.57 at d 768, 9.82 -> 6.87 at d 1024 (gather
+# backward), 15.10 -> 11.53 at d 1280 (site backward). MHAR's gather backward then tuned the same way (one process,
+# results/gather_backward/tune_mhar_h200.txt): 5.89 -> 5.51 ms at d 512 (site -> gather), 10.17 -> 7.58 at d 768,
+# 9.45 -> 8.86 at d 1024, 13.5 -> 11.30 at d 1280 (its leading gather). gather_min_tokens: at the paper's Table 5
+# shapes, fewer tokens, the site backward was faster at d 512 (4,096 tokens: 1.72 against 1.87 ms) and d 1024 (1,024:
+# 2.87 against 3.12); the entries take the gather backward from the fewest tokens where it was measured faster.
 # block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
 # --tune-train`, which searches block_bwd x block_waves together: one at a time left 1B MHAR at 4.70 ms, the product
 # found 3.91); the backward's time moved up to 2x between tiles and again between wave counts: each width has its own.
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
-                   stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16),
+                   stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16,
+                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3), gather_min_tokens=16384),
     # the single head: every kernel tuned (site, pairs, gather: the site-pass backward's, used when it is forced)
     (512, 1): dict(fwd=(512, 1, 3), site=(1024, 2, 4), pairs=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3),
                    gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
                    block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3), block_waves=16),
-    (768, 4): dict(block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4),
+    (768, 4): dict(block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4, backward="gather",
+                   gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     (768, 1): dict(fwd=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3), gather_lead=(512, 1, 3),
                    backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
                     gather_lead=(4096, 4, 4), stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3),
-                    block_waves=8),
+                    block_waves=8, backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
+                    gather_min_tokens=4096),
     (1024, 1): dict(fwd=(2048, 4, 3), site=(4096, 4, 4), pairs=(8192, 8, 3), gather=(8192, 8, 4), fwd_lead=(512, 1, 3),
                     gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
                     block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
     (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather",
-                    block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
-    # the site-pass backward's kernels and the leads tuned; the gather backward's tuning did not finish here (its best
-    # so far, 12.14 ms, behind this 11.53)
+                    gather_bwd=(1024, 2, 4), gather_bwd_lead=(1024, 2, 3), block_fwd=(512, 1, 3), block_bwd=(512, 1, 3),
+                    block_waves=8),
+    # the site backward: the gather backward on its best tiles (below, used when it is forced) took 12.15 ms, this 11.51
     (1280, 1): dict(fwd=(512, 1, 3), site=(512, 1, 3), pairs=(4096, 4, 3), gather=(16384, 8, 3), fwd_lead=(16384, 8, 3),
-                    gather_lead=(512, 1, 3), block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
+                    gather_lead=(512, 1, 3), gather_bwd=(1024, 2, 4), gather_bwd_lead=(1024, 2, 4),
+                    block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
 }
 
 

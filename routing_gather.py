@@ -16,9 +16,12 @@ Read sharing as there: a leading gather also sums source n-1's terms on each gra
 Cost model: per (source, site) pair and channel the forward's 2 bytes (bf16) and the gather's 2, against 6 with the site
 pass, less what sharing saves; per site ~10 more (the fp32 output written and read, s_n read again for dw). Memory:
 the fp32 outputs [N, M, d] and dw's per-pair partial terms instead of the site pass's per-pair logits and K terms.
-Measured on an H200 (BENCHMARKS.md): far from that model, 0.92-0.98x of the site-pass chain's time for MHAR at the
-training microbatches on 1,024-element tiles. The single head, each backward tuned at its width in one process: 0.80x
-/ 0.71x / 0.74x at d 512 / 768 / 1024 on one-warp 512-element tiles (one token a program), so it is chosen per width.
+Measured on an H200 (BENCHMARKS.md), each backward tuned at its width, one process: at the training microbatches
+0.80x / 0.71x / 0.74x of the site-pass chain's time for the single head at d 512 / 768 / 1024 and 0.92x / 0.75x /
+0.94x / 0.77x for MHAR at d 512 / 768 / 1024 / 1280, mostly on one-warp 512-element tiles (one token a program); at the
+paper's Table 5 shapes (1,024-4,096 tokens) MHAR's was 1.09x at d 512 and d 1024, so it is chosen per width and from a
+token count (RoutingConfig.gather_min_tokens). The tuned chains take 1.6-1.8x (MHAR) and 1.3-1.6x (the single head)
+the time this model's bytes take at the copy bandwidth (bench.py routing's "of copy").
 """
 import torch
 import triton

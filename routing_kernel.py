@@ -24,6 +24,7 @@ time per site (routing_config.Launcher calls the compiled launchers directly). M
 """
 import functools
 import weakref
+from dataclasses import replace
 
 import torch
 
@@ -594,27 +595,33 @@ class FusedRouter:
     def __init__(self, n_sites, heads, eps, config=None, blocks=None):
         self.N, self.H, self.eps, self.config, self.chain, self.blocks = n_sites, heads, eps, config, None, blocks
 
-    def _chain_class(self, d, training):
+    def _chain_for(self, d, tokens, training):
+        """The chain class of a pass and its launch settings: a training pass takes the gather backward where the
+        settings ask for it and it has at least gather_min_tokens tokens, else the site pass's."""
+        cfg = self.config or config_for(d, self.H)
         if self.blocks:   # block routing (route_blocks): routing_block.py, which imports this module
             from routing_block import BlockChain
-            return functools.partial(BlockChain, blocks=self.blocks)
-        if training and (self.config or config_for(d, self.H)).backward == "gather":
-            from routing_gather import GatherChain   # (it imports this module)
-            return GatherChain
-        return RoutingChain
+            return functools.partial(BlockChain, blocks=self.blocks), cfg
+        if training and cfg.backward == "gather":
+            if tokens >= cfg.gather_min_tokens:
+                from routing_gather import GatherChain   # (it imports this module)
+                return GatherChain, cfg
+            cfg = replace(cfg, backward="site")
+        return RoutingChain, cfg
 
     def start(self, x, queries=None, gains=None):
         """The chain of a pass from x (B, T, d); queries, gains (every site's, in order) let sites lead (lead_schedule)."""
         (B, T, d), c = x.shape, self.chain
         if not torch.is_grad_enabled():
-            c = self._chain_class(d, False)(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, False, self.config)
+            chain, cfg = self._chain_for(d, B * T, False)
+            c = chain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, False, cfg)
         elif c is not None and c.pending():
             raise RuntimeError("fused routing: a second forward started before the first forward's backward (one depth "
                                "history per model): call backward first, evaluate under torch.no_grad(), or use "
                                "routing_impl='reference'")
         elif c is None or (c.M, c.d, c.dtype, c.R.device) != (B * T, d, x.dtype, x.device):
             self.chain = None   # free the old buffers before allocating new ones
-            c = self.chain = self._chain_class(d, True)(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True,
-                                                        self.config)
+            chain, cfg = self._chain_for(d, B * T, True)
+            c = self.chain = chain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True, cfg)
         c.reset(queries, gains)
         return c

@@ -871,6 +871,21 @@ def test_fused_chain_one_token_programs(backward, dtype):
     check_fused_chain(4, 1, 5, 96, 4, dtype, config)
 
 
+def test_fused_gather_backward_from_min_tokens():
+    """backward="gather" runs from gather_min_tokens tokens a pass; a smaller pass takes the site pass's backward with
+    that design's read sharing (gather_lead None here: none, though gather_bwd_lead is set); both match the reference.
+    bench's forced backward runs at every token count."""
+    config = rk.RoutingConfig(max_block_m=16, backward="gather", lead_min=1, gather_lead=None, gather_min_tokens=14)
+    qs, gs = [torch.zeros(40, device=DEVICE)] * 5, [torch.ones(40, device=DEVICE)] * 5
+    for T, kind in ((5, "RoutingChain"), (7, "GatherChain")):   # 10 tokens, then 14
+        check_fused_chain(5, 2, T, 40, 1, torch.float32, config)
+        chain = rk.FusedRouter(5, 1, 1e-6, config).start(torch.randn(2, T, 40, device=DEVICE, requires_grad=True), qs, gs)
+        assert type(chain).__name__ == kind and chain.config.backward == ("site" if T == 5 else "gather")
+        assert chain.gather_lead == (frozenset() if T == 5 else {2, 4})
+    forced = bench.forced_backward(512, 4, "gather")
+    assert forced.backward == "gather" and forced.gather_min_tokens == 0 < rk.config_for(512, 4).gather_min_tokens
+
+
 @pytest.mark.parametrize("mode,H", [("mhar", 2), ("attnres", None)])
 def test_fused_gather_backward_in_a_model(mode, H):
     """The gather backward in a model, with route_scale 0.5 (its gains are not leaves): logits and every parameter
@@ -2471,8 +2486,8 @@ def test_bench_routing_blocks_option(monkeypatch):
         chain = BlockChain(N, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=n)
         assert bench.chain_pairs(N, n) == sum(chain.sources(j)[0] for j in range(1, N + 1)), (N, n)
     assert bench.chain_pairs(13, 12) == bench.chain_pairs(13) == 13 * 14 // 2   # one sublayer a block: full routing
-    # each design's byte floor: full routing 3 passes a pair; block routing c + 3 forward, 3c + 2 backward a site
-    assert bench.chain_bytes(13, 10, 32) == 3 * 91 * 2 * 10 * 32
+    # each design's byte floor: full routing 2 passes a pair + 5 a site; block routing c + 3 forward, 3c + 2 backward
+    assert bench.chain_bytes(13, 10, 32) == (2 * 91 + 5 * 13) * 2 * 10 * 32
     chain = BlockChain(25, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=4)
     assert bench.chain_bytes(25, 10, 32, 4) == sum(4 * chain.sources(j)[0] + 5 for j in range(1, 26)) * 2 * 10 * 32
     trials = []
