@@ -26,11 +26,12 @@ garbage-collected process and a reset torch.compile cache).
 2. `python bench.py routing`: the routing chain alone (every site of a model, forward and backward, an elementwise
 sublayer between sites), fused against the reference, at the paper's Table 5 shapes and training microbatches:
 correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the design's byte model
-(chain_bytes), per-kernel profile; --heads=H routes every shape with H heads (1: the single head); --blocks=n times
-block routing (routing_block.py) instead; --tune / --tune-train search the launch settings
-(routing_config.RoutingConfig), --check-large checks offsets past 2^31 elements, --delta times the per-call kernels at
-an 8B delta model's shape, --authors=PATH and --peers=fla,liger time ours beside the authors' kernel and the single-head
-kernels of fla-core and Liger-Kernel (when installed). See `python bench.py routing -h`.
+(chain_bytes), per-kernel profile (--profile: at the training microbatches too); --shapes=NAMES picks shapes;
+--heads=H routes every shape with H heads (1: the single head); --blocks=n times block routing (routing_block.py)
+instead; --tune / --tune-train search the launch settings (routing_config.RoutingConfig), --check-large checks offsets
+past 2^31 elements, --delta times the per-call kernels at an 8B delta model's shape, --authors=PATH and
+--peers=fla,liger time ours beside the authors' kernel and the single-head kernels of fla-core and Liger-Kernel (when
+installed). See `python bench.py routing -h`.
 
 3. `python bench.py generate`: tokens/s of GPT.generate with and without the KV cache and its CUDA-graphed step.
 
@@ -641,15 +642,15 @@ def load_peers(names):
     return peers
 
 
-def side_by_side(others, device, copy_bw, rounds=3):
-    """Our chain and others on the same inputs in this process, at every CHAIN_SHAPES shape: eager wall time (timed
+def side_by_side(others, device, copy_bw, rounds=3, shapes=CHAIN_SHAPES):
+    """Our chain and others on the same inputs in this process, at every one of `shapes`: eager wall time (timed
     alternately, `rounds` times each, medians), CUDA-graph GPU time, peak memory, the fraction of the bandwidth bound
     each reaches (chain_bytes at this run's copy bandwidth), and each one's output against the reference chain's.
     others: {"authors": their module} (MHAR at each shape's H) or single-head peers {"fla": call, "liger": call}
     (load_peers; every chain then at H = 1)."""
     from triton.testing import do_bench
     rows = []
-    for name, L, d, H, B, T in CHAIN_SHAPES:
+    for name, L, d, H, B, T in shapes:
         N, H = 2 * L + 1, H if "authors" in others else 1
         bound_ms = chain_bytes(N, B * T, d) / copy_bw / 1e6
         steps = {impl: chain_step(impl, N, B, T, d, H, device, authors=others.get(impl)) for impl in ("fused", *others)}
@@ -796,10 +797,19 @@ def routing_main(argv):
     p.add_argument("--heads", type=int, default=None, metavar="H",
                    help="route every chain shape (checks, timing and tuning) with H heads instead of its own (1: the "
                    "single head)")
+    p.add_argument("--shapes", metavar="NAMES", default=",".join(s[0] for s in CHAIN_SHAPES),
+                   help="comma-separated chain shapes to time, tune and compare (default: all)")
+    p.add_argument("--profile", action="store_true", help="GPU time per kernel at every shape (default: the Table 5 "
+                   "shapes only)")
     p.add_argument("--output", default="out/routing_bench.json", help="results JSON")
     args = p.parse_args(argv)
-    chain_shapes = CHAIN_SHAPES if args.heads is None else [(name, L, d, args.heads, B, T)
-                                                            for name, L, d, _, B, T in CHAIN_SHAPES]
+    names = [n.strip() for n in args.shapes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in {s[0] for s in CHAIN_SHAPES}]
+    if unknown or not names:
+        sys.exit(f"bench.py routing: --shapes={args.shapes}: unknown shape {', '.join(unknown) or '(none given)'}; "
+                 f"choose from {','.join(s[0] for s in CHAIN_SHAPES)}")
+    chain_shapes = [(name, L, d, H if args.heads is None else args.heads, B, T)
+                    for name, L, d, H, B, T in CHAIN_SHAPES if name in names]
     kernels = (args.tune_train or args.tune or "").split(",")
     if args.blocks and args.tune_train == ",".join(CHAIN_KERNELS):   # --tune-train's default: the block chain's kernels
         kernels = list(BLOCK_KERNELS)
@@ -852,7 +862,7 @@ def routing_main(argv):
         for others in ([{"authors": authors}] if authors else []) + ([peers] if peers else []):
             print(f"side by side, ours / {' / '.join(others)} (same inputs, this process); x = how many times faster ours "
                   "is", flush=True)
-            rows += side_by_side(others, device, copy_bw)
+            rows += side_by_side(others, device, copy_bw, shapes=chain_shapes)
     elif args.cpu_profile:
         host_profile(device)
     elif args.delta:
@@ -877,7 +887,7 @@ def routing_main(argv):
                 rows.append(dict(shape=name, heads=H, impl=impl, ms=t, gbps=gbps, copy_frac=gbps / copy_bw, peak_gb=mem))
                 print(f"{name:11s} H={H:<2d} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s ({model}, "
                       f"{100 * gbps / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
-            if not name.endswith("train"):
+            if args.profile or not name.endswith("train"):
                 try:
                     print(f"{name:11s} fused kernels (profiler, ms): "
                           f"{profile_chain(N, B, T, d, H, device, blocks=args.blocks)}", flush=True)

@@ -2626,11 +2626,16 @@ def test_block_chain_bf16_gradients(blocks, config, given):
 
 def test_bench_routing_heads_option():
     """bench.py routing --heads=H times and tunes every chain shape with H heads (1: the single head); an H that does not
-    split a shape's width is a one-line error naming it before anything runs."""
+    split a shape's width is a one-line error naming it before anything runs; so is an unknown --shapes name."""
     with pytest.raises(SystemExit, match=r"--heads=3 does not fit the 100M shape's width d=512"):
         bench.routing_main(["--heads=3"])
     with pytest.raises(SystemExit, match=r"--heads=64 does not fit the 100M shape's width d=512 .*d/H >= 16"):
         bench.routing_main(["--heads=64"])
+    # --shapes picks the chain shapes (the first checked is then 100M-train); an unknown name lists the choices
+    with pytest.raises(SystemExit, match=r"--heads=64 does not fit the 100M-train shape's width d=512"):
+        bench.routing_main(["--heads=64", "--shapes=1B-train, 100M-train"])
+    with pytest.raises(SystemExit, match=r"--shapes=2B: unknown shape 2B; choose from 100M,350M,1B,100M-train,"):
+        bench.routing_main(["--shapes=2B"])
 
 
 @pytest.mark.parametrize("blocks,heads", [(None, None), (4, None), (None, 1)])
