@@ -879,7 +879,8 @@ def test_fused_gather_backward_from_min_tokens():
     qs, gs = [torch.zeros(40, device=DEVICE)] * 5, [torch.ones(40, device=DEVICE)] * 5
     for T, kind in ((5, "RoutingChain"), (7, "GatherChain")):   # 10 tokens, then 14
         check_fused_chain(5, 2, T, 40, 1, torch.float32, config)
-        chain = rk.FusedRouter(5, 1, 1e-6, config).start(torch.randn(2, T, 40, device=DEVICE, requires_grad=True), qs, gs)
+        x = torch.randn(2, T, 40, device=DEVICE, requires_grad=True)
+        chain = rk.FusedRouter(5, 1, 1e-6, config).start(x, qs, gs)
         assert type(chain).__name__ == kind and chain.config.backward == ("site" if T == 5 else "gather")
         assert chain.gather_lead == (frozenset() if T == 5 else {2, 4})
     forced = bench.forced_backward(512, 4, "gather")
