@@ -63,7 +63,8 @@ DEFAULT = RoutingConfig()
 # one-warp gather tiles took the chain 6.54 -> 4.46 ms at d 512, 10.30 -> 6.57 at d 768, 9.82 -> 6.87 at d 1024 (gather
 # backward), 15.10 -> 11.53 at d 1280 (site backward). MHAR's gather backward then tuned the same way (one process,
 # results/gather_backward/tune_mhar_h200.txt): 5.89 -> 5.51 ms at d 512 (site -> gather), 10.17 -> 7.58 at d 768,
-# 9.45 -> 8.86 at d 1024, 13.5 -> 11.30 at d 1280 (its leading gather). gather_min_tokens: at the paper's Table 5
+# 9.45 -> 8.86 at d 1024, 13.5 -> 11.30 at d 1280 (its leading gather); then dw's product in one launch a pass took
+# every gather-backward chain 0.85-0.96x (the single head's d 1280 then too). gather_min_tokens: at the paper's Table 5
 # shapes, fewer tokens, the site backward was faster at d 512 (4,096 tokens: 1.72 against 1.87 ms) and d 1024 (1,024:
 # 2.87 against 3.12); the entries take the gather backward from the fewest tokens where it was measured faster.
 # block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
@@ -91,9 +92,9 @@ TUNED_H200 = {
     (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather",
                     gather_bwd=(1024, 2, 4), gather_bwd_lead=(1024, 2, 3), block_fwd=(512, 1, 3), block_bwd=(512, 1, 3),
                     block_waves=8),
-    # the site backward: the gather backward on its best tiles (below, used when it is forced) took 12.15 ms, this 11.51
+    # the gather backward since dw's product runs once a pass: 11.03 ms against the site backward's 11.50 (was 12.14)
     (1280, 1): dict(fwd=(512, 1, 3), site=(512, 1, 3), pairs=(4096, 4, 3), gather=(16384, 8, 3), fwd_lead=(16384, 8, 3),
-                    gather_lead=(512, 1, 3), gather_bwd=(1024, 2, 4), gather_bwd_lead=(1024, 2, 4),
+                    gather_lead=(512, 1, 3), backward="gather", gather_bwd=(1024, 2, 4), gather_bwd_lead=(1024, 2, 4),
                     block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
 }
 

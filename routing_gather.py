@@ -10,8 +10,9 @@ jp = j..N that read it, each pair's terms recomputed beside s_n from what the fo
 where c_jp[h] = sum_n alpha da = <G_jp[h], out_jp[h]>, made once at site jp's own gather from its upstream gradient and
 its unrounded output (the forward keeps it in fp32: the bf16 output gave 1.1-1.9x the reference's gradient error).
 dw_jp = sum_n sum_tokens dlogit r_n s_n[h] spans every source of site jp, so it is final only when the gather of s_0
-ends: each gather stores its pairs' dlogit r_n, and a matrix product over the tokens adds source n's terms to every
-later site's dw (fp32, summed in a fixed order at the end); site 1's backward returns every site's dq and dg.
+ends: each gather stores its pairs' dlogit r_n, and once the last one is done a matrix product over the tokens, one
+launch for every pair (a launch per source was 12-16% of the chain: small grids), makes each pair's terms (fp32,
+summed in a fixed order); site 1's backward returns every site's dq and dg.
 Read sharing as there: a leading gather also sums source n-1's terms on each gradient tile and hands them on.
 Cost model: per (source, site) pair and channel the forward's 2 bytes (bf16) and the gather's 2, against 6 with the site
 pass, less what sharing saves; per site ~10 more (the fp32 output written and read, s_n read again for dw). Memory:
@@ -20,8 +21,9 @@ Measured on an H200 (BENCHMARKS.md), each backward tuned at its width, one proce
 0.80x / 0.71x / 0.74x of the site-pass chain's time for the single head at d 512 / 768 / 1024 and 0.92x / 0.75x /
 0.94x / 0.77x for MHAR at d 512 / 768 / 1024 / 1280, mostly on one-warp 512-element tiles (one token a program); at the
 paper's Table 5 shapes (1,024-4,096 tokens) MHAR's was 1.09x at d 512 and d 1024, so it is chosen per width and from a
-token count (RoutingConfig.gather_min_tokens). The tuned chains take 1.6-1.8x (MHAR) and 1.3-1.6x (the single head)
-the time this model's bytes take at the copy bandwidth (bench.py routing's "of copy").
+token count (RoutingConfig.gather_min_tokens). dw's product once a pass then took the chains 0.85-0.96x (5.17 / 7.27 /
+8.28 / 10.17 ms for MHAR), 1.4-1.7x (MHAR) and 1.2-1.5x (the single head) the time this model's bytes take at the
+copy bandwidth (bench.py routing's "of copy"): the forward and the gathers' per-pair work, not dw, hold the rest.
 """
 import torch
 import triton
@@ -163,27 +165,42 @@ def _gather_bwd(
         _store_ds(DS, acc_b, u_b, s_b, r, k, inv_dm, off_b, mask_b)
 
 
-@triton.jit(do_not_specialize=["row0", "n", "J", "M"])   # (they change every site: one compiled kernel for all)
-def _dw_terms(DLR, S, PDW, row0, n, J, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-              BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Source n's terms of dw for sites n+1 .. n+J over one split of the tokens: PDW[split, row0 + i, cols] = sum over
-    the split's tokens t of DLR[row0 + i, head, t] * s_n[t, cols] (the dlogit r_n rows times s_n, fp32 exact)."""
-    cb, jb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+@triton.jit(do_not_specialize=["M"])
+def _dw_terms(DLR, S, PDW, N, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+              BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """Every pair's terms of dw over one split of the tokens, one launch once every gather is done: the program of
+    source n, sites n+1+i for i in its block of BLOCK_J, and a column block of head h writes
+    PDW[split, row0 + i, cols] = sum over the split's tokens t of DLR[row0 + i, h, t] * s_n[t, cols] (fp32 products:
+    PRECISION "ieee", or "tf32x3", three tensor-core products that keep fp32's accuracy)."""
+    cb, nb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, jb = nb // tl.cdiv(N, BLOCK_J), nb % tl.cdiv(N, BLOCK_J)
+    J, row0 = N - n, n * N - n * (n - 1) // 2   # source n's sites n+1 .. N: pair rows row0 ..
     h, c = cb // tl.cdiv(D, BLOCK_C), (cb % tl.cdiv(D, BLOCK_C)) * BLOCK_C + tl.arange(0, BLOCK_C)
     cols, cmask = h * D + c, c < D   # a column block of head h
     i = jb * BLOCK_J + tl.arange(0, BLOCK_J)
     M64 = M.to(tl.int64)
     acc = tl.zeros((BLOCK_J, BLOCK_C), tl.float32)
     t0 = split * tokens_per_split
-    for t in range(t0, tl.minimum(t0 + tokens_per_split, M), BLOCK_T):
+    t1 = tl.where(jb * BLOCK_J < J, tl.minimum(t0 + tokens_per_split, M), t0)   # a block past source n's sites: none
+    for t in range(t0, t1, BLOCK_T):
         ts = t + tl.arange(0, BLOCK_T)
         x = tl.load(DLR + ((row0 + i) * H + h).to(tl.int64)[:, None] * M64 + ts[None, :],
                     mask=(i < J)[:, None] & (ts < M)[None, :], other=0.0)
         y = tl.load(S + n * M64 * DM + ts.to(tl.int64)[:, None] * DM + cols[None, :],
                     mask=(ts < M)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(x, y, acc, input_precision="ieee")
+        acc = tl.dot(x, y, acc, input_precision=PRECISION)
     tl.store(PDW + (split * P1 + row0 + i).to(tl.int64)[:, None] * DM + cols[None, :], acc,
              mask=(i < J)[:, None] & cmask[None, :])
+
+
+def dw_launch(N, M, H, D):
+    """_dw_terms' (sites, tokens a step, columns) a program and token splits: each program reads its DLR rows and s_n
+    columns once, so wider blocks re-read less; the splits fill the GPU (~2,048 programs over every source, >= 512
+    tokens each). 16 tokens a step: with 32, the IEEE product held 255 registers and spilled (ptxas for sm_90, 4 warps);
+    127 with 16."""
+    bj, bc = 32, min(64, triton.next_power_of_2(D))
+    programs = H * triton.cdiv(D, bc) * N * triton.cdiv(N, bj)
+    return bj, 64 if INTERPRET else 16, bc, max(1, min(triton.cdiv(M, 512), triton.cdiv(2048, programs)))
 
 
 class GatherChain(RoutingChain):
@@ -194,14 +211,14 @@ class GatherChain(RoutingChain):
         self.GB = torch.empty(N, M, d, dtype=self.dtype, device=self.S.device)
         self.MIX, self.C = torch.empty(N, M, d, **f32), torch.empty(N, H, M, **f32)
         self.DLR = torch.empty(N * (N + 1) // 2, H, M, **f32)
-        # dw's product: a program's (sites, tokens a step, columns), and token splits. Each program reads its DLR rows
-        # and s_n columns once: wider blocks re-read less, more splits keep the GPU busy. 16 tokens a step: with 32, the
-        # IEEE product held 255 registers and spilled (ptxas for sm_90, 4 warps); 127 with 16. PDW [splits, P + 1, d]
-        # holds every pair's partial terms (row P stays 0), summed once at the end: site jp's pairs are rows
-        # SITE_PAIRS[jp-1].
+        # dw's product (dw_launch): PDW [splits, P + 1, d] holds every pair's partial terms (row P stays 0), summed
+        # once at the end: site jp's pairs are rows SITE_PAIRS[jp-1].
         P = N * (N + 1) // 2
-        self.dw_launch = (32, 64 if INTERPRET else 16, min(64, triton.next_power_of_2(self.D)),
-                          min(32, triton.cdiv(M, 512)))
+        self.dw_launch = dw_launch(N, M, H, self.D)
+        # tf32x3 where tensor cores take tf32 (sm_80+): dw's product 0.15-0.3 ms faster than IEEE FMAs at the training
+        # microbatches on an H200, the fp32 check's errors unchanged to three digits (BENCHMARKS.md)
+        tc = self.S.is_cuda and not INTERPRET and torch.cuda.get_device_capability(self.S.device) >= (8, 0)
+        self.dw_precision = "tf32x3" if tc else "ieee"
         self.PDW = torch.zeros(self.dw_launch[3], P + 1, d, **f32)
         rows = [[n * N - n * (n - 1) // 2 + jp - n - 1 for n in range(jp)] + [P] * (N - jp) for jp in range(1, N + 1)]
         self.SITE_PAIRS = torch.tensor(rows, device=self.S.device)
@@ -230,17 +247,17 @@ class GatherChain(RoutingChain):
                              (grad_out, ds), dict(GIN=grad_out, DS=ds, j=j), lambda: dict(
             S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, GB=self.GB, C=self.C, DLR=self.DLR, PACC=self.PACC,
             PK=self.PK, M=M, N=N, inv_dm=1.0 / d, **shape, BLOCK_M=bm, STAGES=stages, LEAD=lead, FOLLOW=self.following))
-        # source n's terms of dw for sites j..N: sum over tokens of (dlogit r_n) s_n per head, fp32, per token split
-        n, J = j - 1, N - j + 1
-        bj, bt, bc, splits = self.dw_launch
-        self.launcher.launch(_dw_terms, ("dw",), (H * triton.cdiv(self.D, bc), triton.cdiv(J, bj), splits), 4, (), dict(
-            row0=n * N - n * (n - 1) // 2, n=n, J=J), lambda: dict(
-            DLR=self.DLR, S=self.S, PDW=self.PDW, M=M, tokens_per_split=triton.cdiv(triton.cdiv(M, splits), bt) * bt,
-            P1=self.PDW.size(1), DM=d, H=H, D=self.D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc))
         self.next_bwd, self.following = j - 1, lead
         if j > 1:
             return ds, None, None
-        # the last site: every pair's terms are in, so dw_j = the sum over splits, then over site j's pairs (fixed order)
+        # the last site: every pair's dlogit r_n is in DLR, so dw's product runs once over every pair, then dw_j = the
+        # sum over splits, then over site j's pairs (fixed order)
+        bj, bt, bc, splits = self.dw_launch
+        self.launcher.launch(_dw_terms, ("dw",), (H * triton.cdiv(self.D, bc), N * triton.cdiv(N, bj), splits), 4, (),
+                             {}, lambda: dict(
+            DLR=self.DLR, S=self.S, PDW=self.PDW, N=N, M=M, tokens_per_split=triton.cdiv(triton.cdiv(M, splits), bt) * bt,
+            P1=self.PDW.size(1), DM=d, H=H, D=self.D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc,
+            PRECISION=self.dw_precision))
         dw = self.PDW.sum(0)[self.SITE_PAIRS].sum(1)   # [N, d]
         queries, gains = self.live
         dq, dg = dw * torch.stack(gains).float(), dw * torch.stack(queries).float()

@@ -847,6 +847,17 @@ def test_fused_gather_backward_matches_reference(N, T, d, H, dtype):
     check_fused_chain(N, 2, T, d, H, dtype, GATHER)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gather_backward_dw_programs(dtype):
+    """dw's product, one launch over every pair once the gathers are done: a source read by more sites than a program's
+    block (37 sites, blocks of 32: a second block, empty for the later sources) and tokens in several splits (1,030
+    tokens: three, the last one short), against the reference."""
+    from routing_gather import dw_launch
+    assert dw_launch(37, 6, 2, 16)[0] < 37 and dw_launch(3, 1030, 2, 16)[3] == 3
+    check_fused_chain(37, 2, 3, 32, 2, dtype, GATHER)
+    check_fused_chain(3, 1, 1030, 32, 2, dtype, GATHER)
+
+
 @pytest.mark.parametrize("least", [1, 3])   # 1: every other site leads; 3: some lead, some run alone
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gather_backward_shared_reads(least, dtype):
