@@ -171,7 +171,7 @@ def _dw_terms(DLR, S, PDW, N, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.c
     """Every pair's terms of dw over one split of the tokens, one launch once every gather is done: the program of
     source n, sites n+1+i for i in its block of BLOCK_J, and a column block of head h writes
     PDW[split, row0 + i, cols] = sum over the split's tokens t of DLR[row0 + i, h, t] * s_n[t, cols] (fp32 products:
-    PRECISION "ieee", or "tf32x3", three tensor-core products that keep fp32's accuracy)."""
+    PRECISION "ieee", or "tf32x3": three tensor-core products, close to fp32's accuracy)."""
     cb, nb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n, jb = nb // tl.cdiv(N, BLOCK_J), nb % tl.cdiv(N, BLOCK_J)
     J, row0 = N - n, n * N - n * (n - 1) // 2   # source n's sites n+1 .. N: pair rows row0 ..
@@ -253,11 +253,11 @@ class GatherChain(RoutingChain):
         # the last site: every pair's dlogit r_n is in DLR, so dw's product runs once over every pair, then dw_j = the
         # sum over splits, then over site j's pairs (fixed order)
         bj, bt, bc, splits = self.dw_launch
+        per_split = triton.cdiv(triton.cdiv(M, splits), bt) * bt
         self.launcher.launch(_dw_terms, ("dw",), (H * triton.cdiv(self.D, bc), N * triton.cdiv(N, bj), splits), 4, (),
                              {}, lambda: dict(
-            DLR=self.DLR, S=self.S, PDW=self.PDW, N=N, M=M, tokens_per_split=triton.cdiv(triton.cdiv(M, splits), bt) * bt,
-            P1=self.PDW.size(1), DM=d, H=H, D=self.D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc,
-            PRECISION=self.dw_precision))
+            DLR=self.DLR, S=self.S, PDW=self.PDW, N=N, M=M, tokens_per_split=per_split, P1=self.PDW.size(1), DM=d, H=H,
+            D=self.D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc, PRECISION=self.dw_precision))
         dw = self.PDW.sum(0)[self.SITE_PAIRS].sum(1)   # [N, d]
         queries, gains = self.live
         dq, dg = dw * torch.stack(gains).float(), dw * torch.stack(queries).float()
