@@ -644,6 +644,9 @@ def load_peers(names):
         except ImportError as e:
             sys.exit(f"bench.py routing: --peers={name}: cannot import {module} ({e}); pip install {package}, or leave "
                      f"{name} out")
+    if "fla" in peers:   # (measured on an H200: 4+ minutes at the 1B Table 5 shape alone)
+        print("bench.py routing: fla autotunes its kernels at each new shape, minutes a shape; --shapes=NAMES runs fewer",
+              file=sys.stderr, flush=True)
     return peers
 
 

@@ -2567,12 +2567,17 @@ def test_bench_authors_file_errors(tmp_path):
         bench.load_authors(str(tmp_path / "other.py"))
 
 
-def test_bench_peers():
-    """bench.py routing --peers: an unknown or uninstalled peer is a one-line error naming the fix; the chain each peer
-    runs calls it as its package does (fla: query, the list of sources, key-norm weight; Liger: the stacked sources,
-    query, weight, eps), checked with stand-ins that route by the reference: the chain's output is the reference's."""
+def test_bench_peers(monkeypatch, capsys):
+    """bench.py routing --peers: an unknown or uninstalled peer is a one-line error naming the fix; fla, which
+    autotunes minutes a shape, is announced with how to run fewer shapes; the chain each peer runs calls it as its
+    package does (fla: query, the list of sources, key-norm weight; Liger: the stacked sources, query, weight, eps),
+    checked with stand-ins that route by the reference: the chain's output is the reference's."""
     with pytest.raises(SystemExit, match=r"unknown peer 'triton'; choose from fla, liger"):
         bench.load_peers("fla,triton")
+    package, module, call = bench.PEERS["fla"]
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{call: print}))
+    assert bench.load_peers("fla") == {"fla": print} and "--shapes=NAMES runs fewer" in capsys.readouterr().err
+    monkeypatch.delitem(sys.modules, module)   # (below: fla as this machine has it)
     for name, (package, module, _) in bench.PEERS.items():
         if importlib.util.find_spec(module.split(".")[0]) is None:
             with pytest.raises(SystemExit, match=rf"--peers={name}: cannot import {module} .*pip install {package}"):
