@@ -404,17 +404,18 @@ CHAIN_SHAPES = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), (
 # every setting DEFAULT and TUNED_H200 ship is a candidate, so a retune can find them again (a test checks it)
 TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4),
                    (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
-# gather_bwd, gather_bwd_lead: routing_gather's backward (tuned with it on); "backward": which of the two runs, chosen
-# last (after both backwards' settings) from BACKWARDS on time alone (the gather backward holds ~0.7 GB more at the
-# training microbatches: its fp32 site outputs)
+# gather_bwd, gather_bwd_lead, gather_logits: routing_gather's backward (tuned with it on; gather_logits from
+# LOGIT_CHOICES); "backward": which of the two runs, chosen last (after both backwards' settings) from BACKWARDS on
+# time alone (the gather backward holds ~0.7 GB more at the training microbatches: its fp32 site outputs)
 CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead",
-                 "backward")
+                 "gather_logits", "backward")
 FWD_KERNELS = ("fwd", "fwd_lead")   # the others run in one backward or the other
 BLOCK_KERNELS = ("block_fwd", "block_bwd", "block_waves")   # block routing's (routing_block.py; --blocks)
 # block_waves' candidates, the backward's persistent programs per multiprocessor: up to 32, for one-warp programs (the
 # single head's tuned tile at d 1280: 2 a multiprocessor would leave it 2 warps to hide memory latency with)
 BLOCK_WAVES = (1, 2, 4, 8, 16, 32)
 BACKWARDS = ("site", "gather")
+LOGIT_CHOICES = (False, True)   # gather_logits: the gathers recompute each pair's logit, or load the forward's
 
 
 def run_chain(route_site, source0, n_sites, sublayer):
@@ -753,7 +754,8 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES,
             if joint and kernel == "block_waves":
                 continue
             results, seen = [], set()
-            for cand in BACKWARDS if kernel == "backward" else BLOCK_WAVES if kernel == "block_waves" else \
+            for cand in BACKWARDS if kernel == "backward" else LOGIT_CHOICES if kernel == "gather_logits" else \
+                    BLOCK_WAVES if kernel == "block_waves" else \
                     [(c, w) for c in candidates for w in BLOCK_WAVES] if joint and kernel == "block_bwd" else \
                     candidates + ([None] if kernel.endswith("_lead") else []):
                 key = cand[:1] if kernel == "pairs" and cand else cand   # the pair pass runs in the gather: its tile only
@@ -761,7 +763,7 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES,
                     continue
                 seen.add(key)
                 # a kernel is timed in the backward that runs it (the site pass's kernels: "site"; _bwd: "gather")
-                backward = ({"backward": "gather" if "bwd" in kernel else "site"}
+                backward = ({"backward": "gather" if "bwd" in kernel or kernel == "gather_logits" else "site"}
                             if kernel not in FWD_KERNELS + BLOCK_KERNELS + ("backward",) else {})
                 trial = replace(cfg, **settings(kernel, cand), **backward)
                 try:

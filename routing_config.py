@@ -44,6 +44,7 @@ class RoutingConfig:
     direct: bool = True   # the chain calls its compiled kernels' launchers directly (Launcher, below)
     backward: str = "site"   # "gather": routing_gather.GatherChain's backward, no site pass (its queries need start's)
     gather_min_tokens: int = 0   # backward="gather" from this many tokens a pass (B x T); fewer: the site pass's
+    gather_logits: bool = False   # the forward stores each pair's logit and routing_gather's gathers load it
     # routing_gather's gather and its leading form: the tile holds a token's every head (ptxas for sm_90: 1024 elements
     # on 4 warps keep every training width at 48-165 registers without spills; the site design's 4096-element gather
     # tile spilled here at d 1024)
@@ -64,38 +65,40 @@ DEFAULT = RoutingConfig()
 # backward), 15.10 -> 11.53 at d 1280 (site backward). MHAR's gather backward then tuned the same way (one process,
 # results/gather_backward/tune_mhar_h200.txt): 5.89 -> 5.51 ms at d 512 (site -> gather), 10.17 -> 7.58 at d 768,
 # 9.45 -> 8.86 at d 1024, 13.5 -> 11.30 at d 1280 (its leading gather); then dw's product in one launch a pass took
-# every gather-backward chain 0.85-0.96x (the single head's d 1280 then too). gather_min_tokens: at the paper's Table 5
-# shapes, fewer tokens, the site backward was faster at d 512 (4,096 tokens: 1.72 against 1.87 ms) and d 1024 (1,024:
-# 2.87 against 3.12); the entries take the gather backward from the fewest tokens where it was measured faster.
+# every gather-backward chain 0.85-0.96x (the single head's d 1280 then too). gather_min_tokens: while dw ran per site,
+# the site backward was faster at the paper's Table 5 shapes (fewer tokens: d 512, 4,096 tokens, 1.72 against 1.87 ms;
+# d 1024, 1,024 tokens, 2.87 against 3.12) and MHAR's entries set it; since dw runs once the gather backward is the
+# faster there too (1.54 against 1.73 ms; 2.43 against 2.87), and no entry sets it. gather_logits (the gathers load the
+# forward's logits): the single head's chains 0.98x / 0.98x / 0.92x / 0.90x at d 512 / 768 / 1024 / 1280, MHAR's
+# 1.00-1.15x (slower), results/gather_backward/logits_ab_h200.txt: so the single-head entries set it.
 # block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
 # --tune-train`, which searches block_bwd x block_waves together: one at a time left 1B MHAR at 4.70 ms, the product
 # found 3.91); the backward's time moved up to 2x between tiles and again between wave counts: each width has its own.
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
                    stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16,
-                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3), gather_min_tokens=16384),
+                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     # the single head: every kernel tuned (site, pairs, gather: the site-pass backward's, used when it is forced)
     (512, 1): dict(fwd=(512, 1, 3), site=(1024, 2, 4), pairs=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3),
                    gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
-                   block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3), block_waves=16),
+                   gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3), block_waves=16),
     (768, 4): dict(block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4, backward="gather",
                    gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     (768, 1): dict(fwd=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3), gather_lead=(512, 1, 3),
-                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
+                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3), gather_logits=True),
     (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
                     gather_lead=(4096, 4, 4), stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3),
-                    block_waves=8, backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
-                    gather_min_tokens=4096),
+                    block_waves=8, backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     (1024, 1): dict(fwd=(2048, 4, 3), site=(4096, 4, 4), pairs=(8192, 8, 3), gather=(8192, 8, 4), fwd_lead=(512, 1, 3),
                     gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
-                    block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
+                    gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
     (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather",
                     gather_bwd=(1024, 2, 4), gather_bwd_lead=(1024, 2, 3), block_fwd=(512, 1, 3), block_bwd=(512, 1, 3),
                     block_waves=8),
     # the gather backward since dw's product runs once a pass: 11.03 ms against the site backward's 11.50 (was 12.14)
     (1280, 1): dict(fwd=(512, 1, 3), site=(512, 1, 3), pairs=(4096, 4, 3), gather=(16384, 8, 3), fwd_lead=(16384, 8, 3),
                     gather_lead=(512, 1, 3), backward="gather", gather_bwd=(1024, 2, 4), gather_bwd_lead=(1024, 2, 4),
-                    block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
+                    gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
 }
 
 

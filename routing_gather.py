@@ -9,6 +9,10 @@ jp = j..N that read it, each pair's terms recomputed beside s_n from what the fo
     logit = r_n <w_jp[h], s_n[h]>,  alpha = exp(logit - lse_jp),  da = <G_jp[h], s_n[h]>,  dlogit = alpha (da - c_jp)
 where c_jp[h] = sum_n alpha da = <G_jp[h], out_jp[h]>, made once at site jp's own gather from its upstream gradient and
 its unrounded output (the forward keeps it in fp32: the bf16 output gave 1.1-1.9x the reference's gradient error).
+With RoutingConfig.gather_logits the forward stores each pair's logit and the gathers load it instead: one fp32 load a
+token and head against a dot over the head. A single head's dot spans the whole width, and loading took its chains
+0.98x / 0.98x / 0.92x / 0.90x at d 512 / 768 / 1024 / 1280; MHAR's H logits a token lie in H rows (at one token a
+program, a memory sector each) and cost more than its per-head dots (1.00-1.15x): the single-head entries set it.
 dw_jp = sum_n sum_tokens dlogit r_n s_n[h] spans every source of site jp, so it is final only when the gather of s_0
 ends: each gather stores its pairs' dlogit r_n, and once the last one is done a matrix product over the tokens, one
 launch for every pair (a launch per source was 12-16% of the chain: small grids), makes each pair's terms (fp32,
@@ -20,10 +24,12 @@ the fp32 outputs [N, M, d] and dw's per-pair partial terms instead of the site p
 Measured on an H200 (BENCHMARKS.md), each backward tuned at its width, one process: at the training microbatches
 0.80x / 0.71x / 0.74x of the site-pass chain's time for the single head at d 512 / 768 / 1024 and 0.92x / 0.75x /
 0.94x / 0.77x for MHAR at d 512 / 768 / 1024 / 1280, mostly on one-warp 512-element tiles (one token a program); at the
-paper's Table 5 shapes (1,024-4,096 tokens) MHAR's was 1.09x at d 512 and d 1024, so it is chosen per width and from a
-token count (RoutingConfig.gather_min_tokens). dw's product once a pass then took the chains 0.85-0.96x (5.17 / 7.27 /
-8.28 / 10.17 ms for MHAR), 1.4-1.7x (MHAR) and 1.2-1.5x (the single head) the time this model's bytes take at the
-copy bandwidth (bench.py routing's "of copy"): the forward and the gathers' per-pair work, not dw, hold the rest.
+paper's Table 5 shapes (1,024-4,096 tokens) MHAR's was 1.09x at d 512 and d 1024 (RoutingConfig.gather_min_tokens
+kept the site pass there). dw's product once a pass then took the chains 0.85-0.96x (5.17 / 7.27 / 8.28 / 10.17 ms for
+MHAR) and those two below the site pass's (0.89x, 0.85x): every tuned width takes the gather backward. MHAR's chains
+are 1.4-1.7x the time this model's bytes take at the copy bandwidth (bench.py routing's "of copy"): the forward and
+the gathers' per-pair work, not dw, hold the rest. The single head's, with stored logits, are 4.05 / 6.12 / 5.78 /
+9.92 ms, each below MHAR's at its width.
 """
 import torch
 import triton
@@ -63,11 +69,15 @@ def _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM: tl
 
 
 @triton.jit
-def _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row, hoff, hmask, M64,
-          H: tl.constexpr, SPLIT: tl.constexpr):
+def _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row, LG, lrow, hoff, hmask, M64,
+          H: tl.constexpr, SPLIT: tl.constexpr, LOGITS_STORED: tl.constexpr):
     """Pair (site jp, source n): acc += alpha G, u += dlogit w, k += sum_h dlogit logit; dlogit r_n stored as DLR row
-    `row` (the dw product's operand). s, g: [BLOCK_M, BH, part] fp32 tiles, r: [BLOCK_M], c: [BLOCK_M, BH]."""
-    logit = r[:, None] * _dot2(s_a, w_a, s_b, w_b, SPLIT)
+    `row` (the dw product's operand). s, g: [BLOCK_M, BH, part] fp32 tiles, r: [BLOCK_M], c: [BLOCK_M, BH]. The logit
+    is recomputed, or with LOGITS_STORED loaded from the forward's row `lrow` of LG."""
+    if LOGITS_STORED:
+        logit = tl.load(LG + lrow * H * M64 + hoff, mask=hmask, other=0.0)
+    else:
+        logit = r[:, None] * _dot2(s_a, w_a, s_b, w_b, SPLIT)
     alpha = tl.exp(logit - lse)
     dlogit = alpha * (_dot2(g_a, s_a, g_b, s_b, SPLIT) - c)
     tl.store(DLR + row * H * M64 + hoff, dlogit * r[:, None], mask=hmask)
@@ -97,12 +107,14 @@ def _store_ds(DS, acc, u, s, r, k, inv_dm, off, mask):
 @triton.jit(do_not_specialize=["j", "M"])   # (an int argument that equals 1 would become a constant: M.to fails)
 def _gather_bwd(
     S, R, W, LSE, MIX,  # the forward's: [N, M, DM] sources, [N, M] RMS factors, [N, DM] w, [N, H, M] lse, [N, M, DM] mix
+    LG,                 # LOGITS_STORED: the forward's [P, H, M] logits, site-major (pair (jp, n): row jp (jp-1)/2 + n)
     GIN, GB, C,         # [M, DM] site j's upstream gradient; [N, M, DM] every site's (slot j-1 written); [N, H, M] c
     DLR, DS,            # [P, H, M] fp32 dlogit r_n per pair, source-major (pairs (j..N, n) written); [M, DM] ds_n
     PACC, PK,           # [M, DM], [M] fp32 source n-1's sums over sites j..N (LEAD writes, site j-1's FOLLOW reads)
     M, j, N, inv_dm,
     DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, STAGES: tl.constexpr, LEAD: tl.constexpr, FOLLOW: tl.constexpr):
+    BLOCK_M: tl.constexpr, STAGES: tl.constexpr, LEAD: tl.constexpr, FOLLOW: tl.constexpr,
+    LOGITS_STORED: tl.constexpr):
     # a head is held as one or two power-of-two column parts (routing_config._split), every head in one program
     SPLIT: tl.constexpr = BLOCK_B > 0
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -141,20 +153,24 @@ def _gather_bwd(
         acc2_a, u2_a, acc2_b, u2_b, k2 = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
     # -- end of read sharing setup
     w_a, w_b, lse = _site(W, LSE, j, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
+    site0 = j * (j - 1) // 2   # LG's first row of site j (of site jp in the loop: `site`)
     acc_a, u_a, acc_b, u_b, k = _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + j,
-                                      hoff, hmask, M64, H, SPLIT)
+                                      LG, site0 + n, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
     if LEAD:
         acc2_a, u2_a, acc2_b, u2_b, k2 = _pair(acc2_a, u2_a, acc2_b, u2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse,
-                                               DLR, row2 + j, hoff, hmask, M64, H, SPLIT)
+                                               DLR, row2 + j, LG, site0 + n - 1, hoff, hmask, M64, H, SPLIT,
+                                               LOGITS_STORED)
     for jp in tl.range(j + 1, last + 1, num_stages=STAGES):   # every later site that reads source n
         g_a, g_b = _load(GB, (jp - 1) * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
         c = tl.load(C + (jp - 1) * H * M64 + hoff, mask=hmask, other=0.0)
         w_a, w_b, lse = _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
+        site = jp * (jp - 1) // 2
         acc_a, u_a, acc_b, u_b, k = _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR,
-                                          row0 + jp, hoff, hmask, M64, H, SPLIT)
+                                          row0 + jp, LG, site + n, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
         if LEAD:   # read sharing: the same gradient tile, the previous source
             acc2_a, u2_a, acc2_b, u2_b, k2 = _pair(acc2_a, u2_a, acc2_b, u2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b,
-                                                   lse, DLR, row2 + jp, hoff, hmask, M64, H, SPLIT)
+                                                   lse, DLR, row2 + jp, LG, site + n - 1, hoff, hmask, M64, H, SPLIT,
+                                                   LOGITS_STORED)
     if LEAD:   # read sharing: source n-1's sums, handed to site j-1's gather
         tl.store(PACC + off_a, acc2_a + r2[:, None, None] * u2_a, mask=mask_a)
         if SPLIT:
@@ -222,13 +238,14 @@ class GatherChain(RoutingChain):
         self.PDW = torch.zeros(self.dw_launch[3], P + 1, d, **f32)
         rows = [[n * N - n * (n - 1) // 2 + jp - n - 1 for n in range(jp)] + [P] * (N - jp) for jp in range(1, N + 1)]
         self.SITE_PAIRS = torch.tensor(rows, device=self.S.device)
-        self.LG = self.LSE   # (a placeholder: the forward stores no logits)
         # a program holds every head of its tokens (gather_bwd, gather_bwd_lead: tile elements, warps, stages)
         bh, (d_a, block_b, lanes) = triton.next_power_of_2(H), _split(self.D)   # (160 = 128 + 32, not 256 padded)
         shape = dict(DM=d, H=H, D=self.D, BH=bh, D_A=d_a, BLOCK_B=block_b)
         self.gather_launch = {lead: (_block_m(setting[0], bh * lanes, self.config), *setting[1:], shape) for lead, setting
                               in ((False, self.config.gather_bwd), (True, self.config.gather_bwd_lead)) if setting}
-        self.stored_logits = False   # (the gather recomputes each pair's logit)
+        # the gathers recompute each pair's logit, or load the forward's (RoutingConfig.gather_logits)
+        self.stored_logits = self.config.gather_logits
+        self.LG = torch.empty(P, H, M, **f32) if self.stored_logits else self.LSE   # (else a placeholder)
 
     def deferred(self, j):
         if self.live[0] is None:
@@ -245,8 +262,9 @@ class GatherChain(RoutingChain):
         bm, warps, stages, shape = self.gather_launch[lead]
         self.launcher.launch(_gather_bwd, ("gather_bwd", lead, self.following), (triton.cdiv(M, bm),), warps,
                              (grad_out, ds), dict(GIN=grad_out, DS=ds, j=j), lambda: dict(
-            S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, GB=self.GB, C=self.C, DLR=self.DLR, PACC=self.PACC,
-            PK=self.PK, M=M, N=N, inv_dm=1.0 / d, **shape, BLOCK_M=bm, STAGES=stages, LEAD=lead, FOLLOW=self.following))
+            S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, LG=self.LG, GB=self.GB, C=self.C, DLR=self.DLR,
+            PACC=self.PACC, PK=self.PK, M=M, N=N, inv_dm=1.0 / d, **shape, BLOCK_M=bm, STAGES=stages, LEAD=lead,
+            FOLLOW=self.following, LOGITS_STORED=self.stored_logits))
         self.next_bwd, self.following = j - 1, lead
         if j > 1:
             return ds, None, None

@@ -872,6 +872,24 @@ def test_fused_gather_backward_shared_reads(least, dtype):
     assert chain.gather_lead == ({2, 4, 6} if least == 1 else {2, 4}) and chain.gather_launch[True][0] >= 1
 
 
+@pytest.mark.parametrize("least", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gather_backward_stored_logits(least, dtype):
+    """gather_logits: the forward stores every pair's logit (site-major) and the gathers, leading, following and alone,
+    load it instead of recomputing it: a single head over two column parts, four heads, one-token programs, against
+    the reference; without it the forward stores none."""
+    config = rk.RoutingConfig(max_block_m=16, backward="gather", lead_min=least, gather_logits=True)
+    check_fused_chain(6, 2, 5, 40, 1, dtype, config)
+    check_fused_chain(7, 2, 19, 112, 4, dtype, config)
+    check_fused_chain(5, 1, 7, 96, 1, dtype, rk.RoutingConfig(max_block_m=1, backward="gather", lead_min=least,
+                                                               gather_logits=True))
+    x = torch.randn(2, 3, 112, device=DEVICE, requires_grad=True)
+    qs, gs = [torch.zeros(112, device=DEVICE)] * 7, [torch.ones(112, device=DEVICE)] * 7
+    for cfg, stored in ((config, True), (GATHER, False)):
+        chain = rk.FusedRouter(7, 4, 1e-6, cfg).start(x, qs, gs)
+        assert chain.stored_logits == stored and (chain.LG.shape == (28, 4, 6)) == stored
+
+
 @pytest.mark.parametrize("backward", ["site", "gather"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_chain_one_token_programs(backward, dtype):
@@ -895,14 +913,16 @@ def test_fused_gather_backward_from_min_tokens():
         assert type(chain).__name__ == kind and chain.config.backward == ("site" if T == 5 else "gather")
         assert chain.gather_lead == (frozenset() if T == 5 else {2, 4})
     forced = bench.forced_backward(512, 4, "gather")
-    assert forced.backward == "gather" and forced.gather_min_tokens == 0 < rk.config_for(512, 4).gather_min_tokens
+    assert forced.backward == "gather" and forced.gather_min_tokens == 0
 
 
-@pytest.mark.parametrize("mode,H", [("mhar", 2), ("attnres", None)])
-def test_fused_gather_backward_in_a_model(mode, H):
-    """The gather backward in a model, with route_scale 0.5 (its gains are not leaves): logits and every parameter
-    gradient match the reference, and a second backward gives bitwise the same gradients."""
-    fused = fused_model_vs_reference(residual=mode, route_heads=H, route_scale=0.5, routing_config=GATHER)
+@pytest.mark.parametrize("mode,H,logits", [("mhar", 2, False), ("attnres", None, False), ("attnres", None, True)])
+def test_fused_gather_backward_in_a_model(mode, H, logits):
+    """The gather backward in a model, with route_scale 0.5 (its gains are not leaves), the single head also with
+    stored logits: logits and every parameter gradient match the reference, and a second backward gives bitwise the
+    same gradients."""
+    config = rk.RoutingConfig(max_block_m=16, backward="gather", gather_logits=logits)
+    fused = fused_model_vs_reference(residual=mode, route_heads=H, route_scale=0.5, routing_config=config)
     assert type(fused._router.chain).__name__ == "GatherChain"
     assert_backward_repeats_bitwise(fused, torch.randint(0, 96, (2, 19), device=DEVICE))
 
@@ -2465,17 +2485,18 @@ def test_bench_scales_are_the_configs_shapes():
 
 def test_tune_times_each_backward_kernel_under_its_backward(monkeypatch):
     """--tune-train's coordinate descent: a site-pass kernel is timed with the site pass running, a gather-backward
-    kernel with that backward, and "backward" (tuned last) picks the faster of the two."""
+    kernel (and gather_logits) with that backward, and "backward" (tuned last) picks the faster of the two."""
     trials = []
 
     def fake_time(impl, N, B, T, d, H, device, ref=None, graph=False, config=None, blocks=None):
-        trials.append(config.backward)   # the gather backward faster; site tile (4096, 4, 3) faster than the rest
-        return 1.0 + 0.5 * (config.backward == "site") + 0.1 * (config.site != (4096, 4, 3)), 0.0
+        trials.append(config.backward)   # the gather backward faster; site tile (4096, 4, 3), stored logits faster
+        return 1.0 + 0.5 * (config.backward == "site") + 0.1 * (config.site != (4096, 4, 3)) - 0.05 * (
+            config.gather_logits), 0.0
     monkeypatch.setattr(bench, "time_chain", fake_time)
-    (cfg,) = bench.tune_configs(["site", "gather_bwd", "backward"], [("tiny-train", 2, 64, 4, 1, 16)], True, "cpu",
-                                candidates=[(1024, 2, 3), (4096, 4, 3)])
-    assert trials == ["site", "site", "gather", "gather", "site", "gather"]
-    assert cfg.site == (4096, 4, 3) and cfg.backward == "gather"
+    (cfg,) = bench.tune_configs(["site", "gather_bwd", "gather_logits", "backward"], [("tiny-train", 2, 64, 4, 1, 16)],
+                                True, "cpu", candidates=[(1024, 2, 3), (4096, 4, 3)])
+    assert trials == ["site", "site", "gather", "gather", "gather", "gather", "site", "gather"]
+    assert cfg.site == (4096, 4, 3) and cfg.gather_logits and cfg.backward == "gather"
 
 
 def test_bench_routing_blocks_option(monkeypatch):
@@ -2522,12 +2543,14 @@ def test_bench_routing_blocks_option(monkeypatch):
 
 def test_tune_candidates_cover_the_configs():
     """bench.py routing --tune / --tune-train can find every config shipped (else a retune silently drops a best)."""
-    kernels = [k for k in bench.CHAIN_KERNELS + bench.BLOCK_KERNELS if k not in ("backward", "block_waves")]
+    kernels = [k for k in bench.CHAIN_KERNELS + bench.BLOCK_KERNELS if k not in ("backward", "gather_logits",
+                                                                                   "block_waves")]
     used = {getattr(rk.DEFAULT, k) for k in kernels if getattr(rk.DEFAULT, k) is not None} | {v for w in rk.TUNED_H200.values() for k, v in w.items()
                                                         if k in kernels and v is not None}
     assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
     backwards = {rk.DEFAULT.backward} | {w["backward"] for w in rk.TUNED_H200.values() if "backward" in w}
     assert "backward" in bench.CHAIN_KERNELS and backwards <= set(bench.BACKWARDS), backwards
+    assert "gather_logits" in bench.CHAIN_KERNELS and set(bench.LOGIT_CHOICES) == {False, True}
     waves = {rk.DEFAULT.block_waves} | {w["block_waves"] for w in rk.TUNED_H200.values() if "block_waves" in w}
     assert "block_waves" in bench.BLOCK_KERNELS and waves <= set(bench.BLOCK_WAVES), waves
 
