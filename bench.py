@@ -818,8 +818,9 @@ def routing_main(argv):
     if unknown or not names:
         sys.exit(f"bench.py routing: --shapes={args.shapes}: unknown shape {', '.join(unknown) or '(none given)'}; "
                  f"choose from {','.join(s[0] for s in CHAIN_SHAPES)}")
+    by_name = {s[0]: s for s in CHAIN_SHAPES}   # in the order given (a slow peer's shape can go last), once each
     chain_shapes = [(name, L, d, H if args.heads is None else args.heads, B, T)
-                    for name, L, d, H, B, T in CHAIN_SHAPES if name in names]
+                    for name, L, d, H, B, T in (by_name[n] for n in dict.fromkeys(names))]
     kernels = (args.tune_train or args.tune or "").split(",")
     if args.blocks and args.tune_train == ",".join(CHAIN_KERNELS):   # --tune-train's default: the block chain's kernels
         kernels = list(BLOCK_KERNELS)

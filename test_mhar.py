@@ -2671,9 +2671,12 @@ def test_bench_routing_heads_option():
         bench.routing_main(["--heads=3"])
     with pytest.raises(SystemExit, match=r"--heads=64 does not fit the 100M shape's width d=512 .*d/H >= 16"):
         bench.routing_main(["--heads=64"])
-    # --shapes picks the chain shapes (the first checked is then 100M-train); an unknown name lists the choices
+    # --shapes picks the chain shapes, in the order given (1B-train's d=1280 takes 64 heads, so 100M-train is the first
+    # to fail; with 3 heads 350M-train fails first); an unknown name lists the choices
     with pytest.raises(SystemExit, match=r"--heads=64 does not fit the 100M-train shape's width d=512"):
         bench.routing_main(["--heads=64", "--shapes=1B-train, 100M-train"])
+    with pytest.raises(SystemExit, match=r"--heads=3 does not fit the 350M-train shape's width d=1024"):
+        bench.routing_main(["--heads=3", "--shapes=350M-train,100M-train,350M-train"])
     with pytest.raises(SystemExit, match=r"--shapes=2B: unknown shape 2B; choose from 100M,350M,1B,100M-train,"):
         bench.routing_main(["--shapes=2B"])
 
