@@ -762,7 +762,7 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES,
                 if key in seen:
                     continue
                 seen.add(key)
-                # a kernel is timed in the backward that runs it (the site pass's kernels: "site"; _bwd: "gather")
+                # a kernel is timed in the backward that runs it (the site pass's: "site"; _bwd, gather_logits: "gather")
                 backward = ({"backward": "gather" if "bwd" in kernel or kernel == "gather_logits" else "site"}
                             if kernel not in FWD_KERNELS + BLOCK_KERNELS + ("backward",) else {})
                 trial = replace(cfg, **settings(kernel, cand), **backward)
