@@ -114,7 +114,7 @@ if triton is not None:
         # the online softmax over the older sources, then the newest from registers
         w_a, w_b, _, _, _, _ = _query(Q, G, DM, H, D, BH, D_A, BLOCK_B)
         m_i, l_i = tl.full((BLOCK_M, BH), float("-inf"), tl.float32), tl.zeros((BLOCK_M, BH), tl.float32)
-        acc_a, _, acc_b, _, _ = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
+        acc_a, acc_b, _ = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
         for n in tl.range(0, count - 1, num_stages=STAGES):
             s_a, s_b = _load(X, n * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
             m_i, l_i, acc_a, acc_b = _mix(m_i, l_i, acc_a, acc_b, s_a, s_b,
@@ -157,7 +157,7 @@ if triton is not None:
         SPLIT: tl.constexpr = BLOCK_B > 0
         pid, programs, M64 = tl.program_id(0), tl.num_programs(0), M.to(tl.int64)
         w_a, w_b, woff_a, wmask_a, woff_b, wmask_b = _query(Q, G, DM, H, D, BH, D_A, BLOCK_B)
-        dw_a, unused_a, dw_b, unused_b, unused = _zeros(1, BH, D_A, BLOCK_B, SPLIT)
+        dw_a, dw_b, _ = _zeros(1, BH, D_A, BLOCK_B, SPLIT)
         for t in range(pid, n_tiles, programs):   # persistent: a program's dw terms summed in registers
             rows64, rmask, off_a, mask_a, off_b, mask_b, hoff, hmask = _tiles(t, M, DM, H, D, BH, D_A, BLOCK_B,
                                                                               BLOCK_M)

@@ -71,6 +71,10 @@ DEFAULT = RoutingConfig()
 # faster there too (1.54 against 1.73 ms; 2.43 against 2.87), and no entry sets it. gather_logits (the gathers load the
 # forward's logits): the single head's chains 0.98x / 0.98x / 0.92x / 0.90x at d 512 / 768 / 1024 / 1280, MHAR's
 # 1.00-1.15x (slower), results/gather_backward/logits_ab_h200.txt: so the single-head entries set it.
+# With one accumulator in the gathers (routing_gather.py's header) the leading gather's one-warp tile at d 1280 went
+# from among the slowest (13.66 against 11.30 ms, tune_mhar_h200.txt) to the fastest: the 1B chains 9.95 -> 8.76 ms
+# (MHAR), 8.92 -> 7.66 (single head), results/gather_backward/accumulator_tune_h200.txt; at the other widths that
+# retune moved < 1% (within the noise: their tiles kept).
 # block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
 # --tune-train`, which searches block_bwd x block_waves together: one at a time left 1B MHAR at 4.70 ms, the product
 # found 3.91); the backward's time moved up to 2x between tiles and again between wave counts: each width has its own.
@@ -93,11 +97,11 @@ TUNED_H200 = {
                     gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
                     gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
     (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather",
-                    gather_bwd=(1024, 2, 4), gather_bwd_lead=(1024, 2, 3), block_fwd=(512, 1, 3), block_bwd=(512, 1, 3),
+                    gather_bwd=(1024, 2, 4), gather_bwd_lead=(512, 1, 3), block_fwd=(512, 1, 3), block_bwd=(512, 1, 3),
                     block_waves=8),
     # the gather backward since dw's product runs once a pass: 11.03 ms against the site backward's 11.50 (was 12.14)
     (1280, 1): dict(fwd=(512, 1, 3), site=(512, 1, 3), pairs=(4096, 4, 3), gather=(16384, 8, 3), fwd_lead=(16384, 8, 3),
-                    gather_lead=(512, 1, 3), backward="gather", gather_bwd=(1024, 2, 4), gather_bwd_lead=(1024, 2, 4),
+                    gather_lead=(512, 1, 3), backward="gather", gather_bwd=(1024, 2, 4), gather_bwd_lead=(512, 1, 3),
                     gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
 }
 

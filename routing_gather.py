@@ -13,6 +13,9 @@ With RoutingConfig.gather_logits the forward stores each pair's logit and the ga
 token and head against a dot over the head. A single head's dot spans the whole width, and loading took its chains
 0.98x / 0.98x / 0.92x / 0.90x at d 512 / 768 / 1024 / 1280; MHAR's H logits a token lie in H rows (at one token a
 program, a memory sector each) and cost more than its per-head dots (1.00-1.15x): the single-head entries set it.
+ds_n's two sums over sites, sum alpha G_jp and sum dlogit r_n w_jp, share one fp32 accumulator (a second one cost the
+one-warp programs d/32 registers a thread: 122 / 216 -> 96 / 128 at d 512 alone / leading, 210 -> 168 at d 1024
+alone, ptxas for sm_90; occupancy 12.5% -> 18.75% at d 1024, the chains 0.88-0.98x, 0.90x for the single head at d 1280).
 dw_jp = sum_n sum_tokens dlogit r_n s_n[h] spans every source of site jp, so it is final only when the gather of s_0
 ends: each gather stores its pairs' dlogit r_n, and once the last one is done a matrix product over the tokens, one
 launch for every pair (a launch per source was 12-16% of the chain: small grids), makes each pair's terms (fp32,
@@ -26,10 +29,9 @@ Measured on an H200 (BENCHMARKS.md), each backward tuned at its width, one proce
 0.94x / 0.77x for MHAR at d 512 / 768 / 1024 / 1280, mostly on one-warp 512-element tiles (one token a program); at the
 paper's Table 5 shapes (1,024-4,096 tokens) MHAR's was 1.09x at d 512 and d 1024 (RoutingConfig.gather_min_tokens
 kept the site pass there). dw's product once a pass then took the chains 0.85-0.96x (5.17 / 7.27 / 8.28 / 10.17 ms for
-MHAR) and those two below the site pass's (0.89x, 0.85x): every tuned width takes the gather backward. MHAR's chains
-are 1.4-1.7x the time this model's bytes take at the copy bandwidth (bench.py routing's "of copy"): the forward and
-the gathers' per-pair work, not dw, hold the rest. The single head's, with stored logits, are 4.05 / 6.12 / 5.78 /
-9.92 ms, each below MHAR's at its width.
+MHAR) and those two below the site pass's (0.89x, 0.85x): every tuned width takes the gather backward. With one
+accumulator: 4.77 / 7.16 / 7.33 / 8.76 ms for MHAR, 3.98 / 5.98 / 5.74 / 7.66 for the single head (stored logits), each
+below MHAR's at its width; the gathers are latency-bound (ncu at d 1024: 18.75% occupancy, DRAM ~47% busy).
 """
 import torch
 import triton
@@ -69,9 +71,9 @@ def _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM: tl
 
 
 @triton.jit
-def _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row, LG, lrow, hoff, hmask, M64,
+def _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row, LG, lrow, hoff, hmask, M64,
           H: tl.constexpr, SPLIT: tl.constexpr, LOGITS_STORED: tl.constexpr):
-    """Pair (site jp, source n): acc += alpha G, u += dlogit w, k += sum_h dlogit logit; dlogit r_n stored as DLR row
+    """Pair (site jp, source n): acc += alpha G + dlogit r_n w, k += sum_h dlogit logit; dlogit r_n stored as DLR row
     `row` (the dw product's operand). s, g: [BLOCK_M, BH, part] fp32 tiles, r: [BLOCK_M], c: [BLOCK_M, BH]. The logit
     is recomputed, or with LOGITS_STORED loaded from the forward's row `lrow` of LG."""
     if LOGITS_STORED:
@@ -80,27 +82,28 @@ def _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DL
         logit = r[:, None] * _dot2(s_a, w_a, s_b, w_b, SPLIT)
     alpha = tl.exp(logit - lse)
     dlogit = alpha * (_dot2(g_a, s_a, g_b, s_b, SPLIT) - c)
-    tl.store(DLR + row * H * M64 + hoff, dlogit * r[:, None], mask=hmask)
-    acc_a, u_a = acc_a + alpha[:, :, None] * g_a, u_a + dlogit[:, :, None] * w_a
+    rdl = dlogit * r[:, None]
+    tl.store(DLR + row * H * M64 + hoff, rdl, mask=hmask)
+    acc_a = acc_a + alpha[:, :, None] * g_a + rdl[:, :, None] * w_a
     if SPLIT:
-        acc_b, u_b = acc_b + alpha[:, :, None] * g_b, u_b + dlogit[:, :, None] * w_b
-    return acc_a, u_a, acc_b, u_b, k + tl.sum(dlogit * logit, axis=1)
+        acc_b = acc_b + alpha[:, :, None] * g_b + rdl[:, :, None] * w_b
+    return acc_a, acc_b, k + tl.sum(dlogit * logit, axis=1)
 
 
 @triton.jit
 def _zeros(BLOCK_M: tl.constexpr, BH: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT: tl.constexpr):
-    """Two zero accumulators per column part (part b's = part a's when not SPLIT) and a zero per token."""
-    a, b = tl.zeros((BLOCK_M, BH, D_A), tl.float32), tl.zeros((BLOCK_M, BH, D_A), tl.float32)
-    c, d = a, b
+    """A zero accumulator per column part (part b's = part a's when not SPLIT) and a zero per token."""
+    a = tl.zeros((BLOCK_M, BH, D_A), tl.float32)
+    b = a
     if SPLIT:
-        c, d = tl.zeros((BLOCK_M, BH, BLOCK_B), tl.float32), tl.zeros((BLOCK_M, BH, BLOCK_B), tl.float32)
-    return a, b, c, d, tl.zeros((BLOCK_M,), tl.float32)
+        b = tl.zeros((BLOCK_M, BH, BLOCK_B), tl.float32)
+    return a, b, tl.zeros((BLOCK_M,), tl.float32)
 
 
 @triton.jit
-def _store_ds(DS, acc, u, s, r, k, inv_dm, off, mask):
-    """ds_n = sum_j alpha G_j + r u - (r^2 / d) K s_n on one column part."""
-    ds = acc + r[:, None, None] * u - (r * r * k * inv_dm)[:, None, None] * s
+def _store_ds(DS, acc, s, r, k, inv_dm, off, mask):
+    """ds_n = sum_j (alpha G_j + dlogit r_n w_j) - (r^2 / d) K s_n on one column part."""
+    ds = acc - (r * r * k * inv_dm)[:, None, None] * s
     tl.store(DS + off, _rounded(ds, DS.dtype.element_ty), mask=mask)
 
 
@@ -138,47 +141,45 @@ def _gather_bwd(
     mix_a, mix_b = _load(MIX, slot, off_a, mask_a, off_b, mask_b, SPLIT)
     c = _dot2(g_a, mix_a, g_b, mix_b, SPLIT)
     tl.store(C + n * H * M64 + hoff, c, mask=hmask)
-    acc_a, u_a, acc_b, u_b, k = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
+    acc_a, acc_b, k = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
     last = N
-    # -- read sharing: FOLLOW starts from the sums site j+1's gather left for this source over sites j+1..N (r u folded
-    # into acc) and reads only G_j; LEAD also sums source n-1's terms on every gradient tile it loads
+    # -- read sharing: FOLLOW starts from the sums site j+1's gather left for this source over sites j+1..N and reads
+    # only G_j; LEAD also sums source n-1's terms on every gradient tile it loads
     if FOLLOW:
         acc_a, acc_b = _load(PACC, 0, off_a, mask_a, off_b, mask_b, SPLIT)
         k, last = tl.load(PK + rows64, mask=rmask, other=0.0), j
     s2_a, s2_b, r2, row2 = s_a, s_b, r, row0   # source n-1's tiles and sums (placeholders unless LEAD)
-    acc2_a, u2_a, acc2_b, u2_b, k2 = acc_a, u_a, acc_b, u_b, k
+    acc2_a, acc2_b, k2 = acc_a, acc_b, k
     if LEAD:
         s2_a, s2_b = _load(S, slot - M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
         r2, row2 = tl.load(R + (n - 1) * M64 + rows64, mask=rmask, other=0.0), (n - 1) * N - (n - 1) * (n - 2) // 2 - n
-        acc2_a, u2_a, acc2_b, u2_b, k2 = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
+        acc2_a, acc2_b, k2 = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
     # -- end of read sharing setup
     w_a, w_b, lse = _site(W, LSE, j, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
     site0 = j * (j - 1) // 2   # LG's first row of site j (of site jp in the loop: `site`)
-    acc_a, u_a, acc_b, u_b, k = _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + j,
-                                      LG, site0 + n, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
+    acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + j, LG, site0 + n, hoff,
+                            hmask, M64, H, SPLIT, LOGITS_STORED)
     if LEAD:
-        acc2_a, u2_a, acc2_b, u2_b, k2 = _pair(acc2_a, u2_a, acc2_b, u2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse,
-                                               DLR, row2 + j, LG, site0 + n - 1, hoff, hmask, M64, H, SPLIT,
-                                               LOGITS_STORED)
+        acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + j, LG,
+                                   site0 + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
     for jp in tl.range(j + 1, last + 1, num_stages=STAGES):   # every later site that reads source n
         g_a, g_b = _load(GB, (jp - 1) * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
         c = tl.load(C + (jp - 1) * H * M64 + hoff, mask=hmask, other=0.0)
         w_a, w_b, lse = _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
         site = jp * (jp - 1) // 2
-        acc_a, u_a, acc_b, u_b, k = _pair(acc_a, u_a, acc_b, u_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR,
-                                          row0 + jp, LG, site + n, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
+        acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + jp, LG, site + n,
+                                hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
         if LEAD:   # read sharing: the same gradient tile, the previous source
-            acc2_a, u2_a, acc2_b, u2_b, k2 = _pair(acc2_a, u2_a, acc2_b, u2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b,
-                                                   lse, DLR, row2 + jp, LG, site + n - 1, hoff, hmask, M64, H, SPLIT,
-                                                   LOGITS_STORED)
+            acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + jp, LG,
+                                       site + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
     if LEAD:   # read sharing: source n-1's sums, handed to site j-1's gather
-        tl.store(PACC + off_a, acc2_a + r2[:, None, None] * u2_a, mask=mask_a)
+        tl.store(PACC + off_a, acc2_a, mask=mask_a)
         if SPLIT:
-            tl.store(PACC + off_b, acc2_b + r2[:, None, None] * u2_b, mask=mask_b)
+            tl.store(PACC + off_b, acc2_b, mask=mask_b)
         tl.store(PK + rows64, k2, mask=rmask)
-    _store_ds(DS, acc_a, u_a, s_a, r, k, inv_dm, off_a, mask_a)
+    _store_ds(DS, acc_a, s_a, r, k, inv_dm, off_a, mask_a)
     if SPLIT:
-        _store_ds(DS, acc_b, u_b, s_b, r, k, inv_dm, off_b, mask_b)
+        _store_ds(DS, acc_b, s_b, r, k, inv_dm, off_b, mask_b)
 
 
 @triton.jit(do_not_specialize=["M"])
