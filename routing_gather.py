@@ -15,7 +15,7 @@ token and head against a dot over the head. A single head's dot spans the whole 
 program, a memory sector each) and cost more than its per-head dots (1.00-1.15x): the single-head entries set it.
 ds_n's two sums over sites, sum alpha G_jp and sum dlogit r_n w_jp, share one fp32 accumulator (a second one cost the
 one-warp programs d/32 registers a thread: 122 / 216 -> 96 / 128 at d 512 alone / leading, 210 -> 168 at d 1024
-alone, ptxas for sm_90; occupancy 12.5% -> 18.75% at d 1024, the chains 0.88-0.98x, 0.90x for the single head at d 1280).
+alone, ptxas for sm_90; occupancy 12.5% -> 18.75% at d 1024; MHAR's chains 0.88-0.99x, the single head's 0.90-0.99x).
 dw_jp = sum_n sum_tokens dlogit r_n s_n[h] spans every source of site jp, so it is final only when the gather of s_0
 ends: each gather stores its pairs' dlogit r_n, and once the last one is done a matrix product over the tokens, one
 launch for every pair (a launch per source was 12-16% of the chain: small grids), makes each pair's terms (fp32,
@@ -30,8 +30,9 @@ Measured on an H200 (BENCHMARKS.md), each backward tuned at its width, one proce
 paper's Table 5 shapes (1,024-4,096 tokens) MHAR's was 1.09x at d 512 and d 1024 (RoutingConfig.gather_min_tokens
 kept the site pass there). dw's product once a pass then took the chains 0.85-0.96x (5.17 / 7.27 / 8.28 / 10.17 ms for
 MHAR) and those two below the site pass's (0.89x, 0.85x): every tuned width takes the gather backward. With one
-accumulator: 4.77 / 7.16 / 7.33 / 8.76 ms for MHAR, 3.98 / 5.98 / 5.74 / 7.66 for the single head (stored logits), each
-below MHAR's at its width; the gathers are latency-bound (ncu at d 1024: 18.75% occupancy, DRAM ~47% busy).
+accumulator (and d 1280's leading gathers on one warp): 4.75 / 7.14 / 7.31 / 8.80 ms for MHAR, 3.97 / 5.96 / 5.74 /
+7.64 for the single head (stored logits), each below MHAR's at its width; the gathers are latency-bound (ncu at d 1024:
+18.75% occupancy, DRAM ~47% busy).
 """
 import torch
 import triton
