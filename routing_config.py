@@ -24,7 +24,8 @@ class RoutingConfig:
     site: tuple = (16384, 8, 3)               # _chain_bwd_site
     pairs: tuple = (1024, 2, 3)               # the pair pass in _chain_bwd_gather: its tile (warps, stages: the gather's)
     gather: tuple = (1024, 2, 3)              # _chain_bwd_gather
-    fwd_lead: tuple | None = (4096, 4, 4)     # a forward that also runs the next site's softmax; None: none leads
+    fwd_lead: tuple | None = (4096, 4, 4)     # a forward that also runs the next sites' softmax; None: none leads
+    fwd_lead_sites: int = 1       # how many later sites a leading forward runs (1-3): each reads only the sources since
     gather_lead: tuple | None = (1024, 2, 3)  # a gather that also sums the previous source's terms; None: none leads
     lead_min: int = 6             # a site leads if it reads >= this many tiles per token (its state: ~4 sources' bytes)
     stored_logits: bool = False   # the forward stores each pair's logit and the site pass loads it
@@ -50,6 +51,11 @@ class RoutingConfig:
     # tile spilled here at d 1024)
     gather_bwd: tuple = (1024, 4, 3)
     gather_bwd_lead: tuple | None = (1024, 4, 3)   # None: no gather leads
+
+    def __post_init__(self):
+        if self.fwd_lead_sites not in (1, 2, 3):
+            raise ValueError(f"RoutingConfig: fwd_lead_sites={self.fwd_lead_sites}; a leading forward runs 1, 2 or 3 "
+                             "later sites")
 
 
 DEFAULT = RoutingConfig()
@@ -152,9 +158,10 @@ def check_envelope(d, heads, dtype):
         raise ValueError(f"fused routing: dtype {dtype} is not supported (bf16, fp16, fp32); use routing_impl='reference'")
 
 
-def lead_schedule(N, lead_min):
-    """Leading sites (forward, gather): every other one, from the longest reads down, while a leader reads >= lead_min."""
-    return (frozenset(j for j in range(N - 1, 0, -2) if j >= lead_min),          # forward site j reads j sources
+def lead_schedule(N, lead_min, fwd_sites=1):
+    """Leading sites (forward, gather), from the longest reads down while a leader reads >= lead_min: every
+    (fwd_sites + 1)-th forward (each leads the fwd_sites after it), every other gather."""
+    return (frozenset(j for j in range(N - fwd_sites, 0, -fwd_sites - 1) if j >= lead_min),   # site j reads j sources
             frozenset(j for j in range(2, N + 1, 2) if N - j + 1 >= lead_min))  # gather j reads N - j + 1 gradients
 
 

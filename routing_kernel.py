@@ -84,16 +84,50 @@ if triton is not None:
             acc_b = acc_b * scale[:, None] + p[:, None] * s_b
         return m_i, l_i, acc_a, acc_b
 
+    @triton.jit
+    def _lead_init(Q, G, h, cols_a, cmask_a, cols_b, cmask_b, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   D_A: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT: tl.constexpr):
+        """A led site's empty softmax state (max, denominator, mix parts) and its w parts (part b = a unless SPLIT)."""
+        w_a = _head_w(Q, G, h, cols_a, cmask_a, D)
+        w_b, acc_b = w_a, tl.zeros((1, 1), tl.float32)
+        if SPLIT:
+            w_b, acc_b = _head_w(Q, G, h, cols_b, cmask_b, D), tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
+        return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+                tl.zeros((BLOCK_M, D_A), tl.float32), acc_b, w_a, w_b)
+
+    @triton.jit
+    def _hand_off(PACC, PML, x, m, l, acc_a, acc_b, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM: tl.constexpr,
+                  H: tl.constexpr, SPLIT: tl.constexpr):
+        """Store led site x's state (x = 0: the next site) as row x of PACC and PML, for its own launch."""
+        off, ml = (x * M).to(tl.int64) * DM, ml + (x * 2 * H * M).to(tl.int64)
+        tl.store(PML + ml, m, mask=rmask)
+        tl.store(PML + H * M + ml, l, mask=rmask)
+        tl.store(PACC + off + tile_a, acc_a, mask=mask_a)
+        if SPLIT:
+            tl.store(PACC + off + tile_b, acc_b, mask=mask_b)
+
+    @triton.jit
+    def _lead_state(PACC, PML, x, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM: tl.constexpr, H: tl.constexpr,
+                    SPLIT: tl.constexpr):
+        """Row x of PACC and PML, as _hand_off stored it: (max, denominator, mix parts; part b = a unless SPLIT)."""
+        off, ml = (x * M).to(tl.int64) * DM, ml + (x * 2 * H * M).to(tl.int64)
+        acc_a = tl.load(PACC + off + tile_a, mask=mask_a, other=0.0)
+        acc_b = acc_a
+        if SPLIT:
+            acc_b = tl.load(PACC + off + tile_b, mask=mask_b, other=0.0)
+        return tl.load(PML + ml, mask=rmask, other=float("-inf")), tl.load(PML + H * M + ml, mask=rmask, other=0.0), \
+            acc_a, acc_b
+
     @triton.jit(do_not_specialize=["j"])
     def _chain_fwd(
         S, R,       # [N, M, DM] sources, [N, M] fp32 RMS factors; slot j-1 is written here
         NEW, Q, G,  # [M, DM] the newest source s_{j-1} (this site's autograd input, contiguous); [DM] q and g
         W, OUT,     # [N, DM] fp32 w = q*g (row j-1 written, for the gathers); [M, DM] routed output
         LSE, LG,    # [N, H, M] fp32 log-sum-exp (row j-1 written); [P, H, M] fp32 logits (if STORE_LOGITS)
-        Q2, G2,     # [DM] the next site's q and g (read if LEAD)
-        PACC, PML,  # [M, DM], [2, H, M] fp32 the next site's mix, max and denominator (LEAD writes, FOLLOW reads)
+        Q2, G2, Q3, G3, Q4, G4,   # [DM] q and g of sites j+1, j+2, j+3 (read if LEAD >= 1, 2, 3)
+        PACC, PML,  # [LEAD, M, DM], [LEAD, 2, H, M] fp32 the led sites' mixes, maxima, denominators (FOLLOW reads one)
         MIX,        # [N, M, DM] fp32 every site's output unrounded (row j-1 written if STORE_MIX)
-        M, j, eps,  # tokens, this site (1..N), RMS eps
+        M, j, back, eps,   # tokens, this site (1..N), FOLLOW: how many sites after its leader, RMS eps
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, STORE_LOGITS: tl.constexpr,
         LEAD: tl.constexpr, FOLLOW: tl.constexpr, STORE_MIX: tl.constexpr):
@@ -129,42 +163,61 @@ if triton is not None:
         # online softmax over the older sources, then the newest one from registers
         m_i, l_i = tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32)
         ml = (h * M).to(tl.int64) + rows64   # this head's rows of PML
-        # -- read sharing: FOLLOW resumes the state site j-1 left for s_0..s_{j-2}; LEAD runs site j+1's softmax on
-        # every tile loaded here too and leaves its state in PML / PACC (the same operations in the same order as one
-        # launch per site: identical output when the lead config lays out tiles as the plain one does)
+        # -- read sharing: LEAD runs the softmax of the next LEAD sites on every tile loaded here too and leaves their
+        # states in PML / PACC; a FOLLOW site `back` sites later resumes its state (s_0..s_{j-back-1}) and reads only
+        # the sources since. The same operations in the same order as one launch per site: identical output when the
+        # lead config lays out tiles as the plain one does
+        n0 = 0
         if FOLLOW:
-            m_i, l_i = tl.load(PML + ml, mask=rmask, other=float("-inf")), tl.load(PML + H * M + ml, mask=rmask, other=0.0)
-            acc_a = tl.load(PACC + tile_a, mask=mask_a, other=0.0)
-            if SPLIT:
-                acc_b = tl.load(PACC + tile_b, mask=mask_b, other=0.0)
-        m2, l2, acc2_a, acc2_b, w2_a, w2_b = m_i, l_i, acc_a, acc_b, w_a, w_b   # placeholders unless LEAD
-        pair1 = pair0 + j   # pair (j+1, n) at pair1 + n
-        if LEAD:
-            w2_a, acc2_a = _head_w(Q2, G2, h, cols_a, cmask_a, D), tl.zeros((BLOCK_M, D_A), tl.float32)
-            if SPLIT:
-                w2_b, acc2_b = _head_w(Q2, G2, h, cols_b, cmask_b, D), tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
+            n0 = j - back
+            m_i, l_i, acc_a, acc_b = _lead_state(PACC, PML, back - 1, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM,
+                                                 H, SPLIT)
+        pair1 = pair0 + j   # pair (j+1, n) at pair1 + n, (j+2, n) at pair2 + n, (j+3, n) at pair3 + n
+        pair2 = pair1 + j + 1
+        pair3 = pair2 + j + 2
+        m2, l2, acc2_a, acc2_b, w2_a, w2_b = m_i, l_i, acc_a, acc_b, w_a, w_b   # placeholders unless LEAD >= 1, 2, 3
+        m3, l3, acc3_a, acc3_b, w3_a, w3_b = m_i, l_i, acc_a, acc_b, w_a, w_b
+        m4, l4, acc4_a, acc4_b, w4_a, w4_b = m_i, l_i, acc_a, acc_b, w_a, w_b
+        if LEAD >= 1:
+            m2, l2, acc2_a, acc2_b, w2_a, w2_b = _lead_init(Q2, G2, h, cols_a, cmask_a, cols_b, cmask_b, D, BLOCK_M,
+                                                            D_A, BLOCK_B, SPLIT)
+        if LEAD >= 2:
+            m3, l3, acc3_a, acc3_b, w3_a, w3_b = _lead_init(Q3, G3, h, cols_a, cmask_a, cols_b, cmask_b, D, BLOCK_M,
+                                                            D_A, BLOCK_B, SPLIT)
+        if LEAD >= 3:
+            m4, l4, acc4_a, acc4_b, w4_a, w4_b = _lead_init(Q4, G4, h, cols_a, cmask_a, cols_b, cmask_b, D, BLOCK_M,
+                                                            D_A, BLOCK_B, SPLIT)
         # -- end of read sharing setup
-        if not FOLLOW:
-            for n in tl.range(0, j - 1, num_stages=STAGES):
-                s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
-                m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, LG, pair0 + n, h, M,
-                                                   rows64, rmask, H, SPLIT, STORE_LOGITS)
-                if LEAD:   # read sharing: the same tile, the next site's query
-                    m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, s_a, s_b, r, w2_a, w2_b, LG, pair1 + n, h,
-                                                       M, rows64, rmask, H, SPLIT, STORE_LOGITS)
+        for n in tl.range(n0, j - 1, num_stages=STAGES):
+            s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
+            m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, LG, pair0 + n, h, M,
+                                               rows64, rmask, H, SPLIT, STORE_LOGITS)
+            if LEAD >= 1:   # read sharing: the same tile, the led sites' queries
+                m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, s_a, s_b, r, w2_a, w2_b, LG, pair1 + n, h,
+                                                   M, rows64, rmask, H, SPLIT, STORE_LOGITS)
+            if LEAD >= 2:
+                m3, l3, acc3_a, acc3_b = _mix_step(m3, l3, acc3_a, acc3_b, s_a, s_b, r, w3_a, w3_b, LG, pair2 + n,
+                                                   h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
+            if LEAD >= 3:
+                m4, l4, acc4_a, acc4_b = _mix_step(m4, l4, acc4_a, acc4_b, s_a, s_b, r, w4_a, w4_b, LG,
+                                                   pair3 + n, h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
         # (the newest source stays 16-bit until here: fp32 across the loop cost the 1B shape ~10 registers per thread,
         # one program per SM, and 50% more forward time)
         new_a, new_b = new_a.to(tl.float32), new_b.to(tl.float32)
         m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a, new_b, r_new, w_a, w_b, LG, pair0 + j - 1, h, M,
                                            rows64, rmask, H, SPLIT, STORE_LOGITS)
-        if LEAD:   # read sharing: the next site's state, handed to its launch
+        if LEAD >= 1:   # read sharing: the led sites' states, handed to their launches
             m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, new_a, new_b, r_new, w2_a, w2_b, LG, pair1 + j - 1,
                                                h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
-            tl.store(PML + ml, m2, mask=rmask)
-            tl.store(PML + H * M + ml, l2, mask=rmask)
-            tl.store(PACC + tile_a, acc2_a, mask=mask_a)
-            if SPLIT:
-                tl.store(PACC + tile_b, acc2_b, mask=mask_b)
+            _hand_off(PACC, PML, 0, m2, l2, acc2_a, acc2_b, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM, H, SPLIT)
+        if LEAD >= 2:
+            m3, l3, acc3_a, acc3_b = _mix_step(m3, l3, acc3_a, acc3_b, new_a, new_b, r_new, w3_a, w3_b, LG,
+                                               pair2 + j - 1, h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
+            _hand_off(PACC, PML, 1, m3, l3, acc3_a, acc3_b, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM, H, SPLIT)
+        if LEAD >= 3:
+            m4, l4, acc4_a, acc4_b = _mix_step(m4, l4, acc4_a, acc4_b, new_a, new_b, r_new, w4_a, w4_b, LG,
+                                               pair3 + j - 1, h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
+            _hand_off(PACC, PML, 2, m4, l4, acc4_a, acc4_b, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM, H, SPLIT)
         tl.store(OUT + tile_a, _rounded(acc_a / l_i[:, None], OUT.dtype.element_ty), mask=mask_a)
         if SPLIT:
             tl.store(OUT + tile_b, _rounded(acc_b / l_i[:, None], OUT.dtype.element_ty), mask=mask_b)
@@ -455,14 +508,15 @@ class RoutingChain:
         self.MIX = self.R   # a placeholder: the forward stores the unrounded output only for the gather backward
         if training:
             self._backward_buffers(N, M, d, H, f32)
-        fwd, gather = lead_schedule(N, cfg.lead_min)
+        fwd, gather = lead_schedule(N, cfg.lead_min, cfg.fwd_lead_sites)
         self.launcher = Launcher(device, DIRECT_OK)
         self.fwd_lead = fwd if self.launch["fwd_lead"] else frozenset()
         lead = self.launch["gather_lead"] if cfg.backward == "site" else cfg.gather_bwd_lead   # (routing_gather's)
         self.gather_lead = gather if lead and training else frozenset()
         # one lead state at a time (the forward's is used up before the backward); else unused placeholders
-        self.PACC, self.PML, self.PK = (torch.empty(M, d, **f32), torch.empty(2, H, M, **f32), torch.empty(M, **f32)) \
-            if self.fwd_lead or self.gather_lead else (self.R,) * 3
+        led = cfg.fwd_lead_sites if self.fwd_lead else 1   # lead states held at once: the forward's, or the gather's one
+        self.PACC, self.PML, self.PK = (torch.empty(led, M, d, **f32), torch.empty(led, 2, H, M, **f32),
+                                        torch.empty(M, **f32)) if self.fwd_lead or self.gather_lead else (self.R,) * 3
         self.reset()
 
     def _backward_buffers(self, N, M, d, H, f32):
@@ -495,7 +549,8 @@ class RoutingChain:
         self.queries, self.gains = (None, None) if queries is None else ([q.detach() for q in queries],
                                                                           [g.detach() for g in gains])
         self.launcher.refresh(self.config.direct)
-        self.following = False   # the previous launch (forward: site j-1; backward: gather j+1) led this one
+        self.following = False   # the previous launch (backward: gather j+1) led this one
+        self.behind, self.led = 0, 0   # forward: sites since the last leading one (0: none leads this one), how many it led
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
     def pending(self):
@@ -525,18 +580,25 @@ class RoutingChain:
     def forward_site(self, j, new_source, q, g):
         self._expect_forward(j)
         out = torch.empty(self.M, self.d, dtype=self.dtype, device=new_source.device)
-        lead = j in self.fwd_lead and self.queries is not None and not self.following
+        lead = self.config.fwd_lead_sites if j in self.fwd_lead and self.queries is not None and not self.behind else 0
         grid, bm, warps, stages, parts = self.launch["fwd_lead" if lead else "fwd"]
-        q2, g2 = (self.queries[j], self.gains[j]) if lead else (q, g)   # site j+1's q and g
-        self.launcher.launch(_chain_fwd, ("fwd", lead, self.following), grid, warps, (new_source, q, g, q2, g2),
-                             dict(NEW=new_source, Q=q, G=g, OUT=out, Q2=q2, G2=g2, j=j), lambda: dict(
+        led = [(self.queries[j + x], self.gains[j + x]) if x < lead else (q, g) for x in range(3)]   # sites j+1..j+3
+        (q2, g2), (q3, g3), (q4, g4) = led
+        self.launcher.launch(_chain_fwd, ("fwd", lead, self.behind > 0), grid, warps,
+                             (new_source, q, g, q2, g2, q3, g3, q4, g4),
+                             dict(NEW=new_source, Q=q, G=g, OUT=out, Q2=q2, G2=g2, Q3=q3, G3=g3, Q4=q4, G4=g4, j=j,
+                                  back=self.behind), lambda: dict(
             S=self.S, R=self.R, W=self.W, LSE=self.LSE, LG=self.LG if self.training else self.LSE, PACC=self.PACC,
             PML=self.PML, MIX=self.MIX, M=self.M, eps=self.eps, DM=self.d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
             BLOCK_C=min(1024, triton.next_power_of_2(self.d)), STAGES=stages, STORE_LOGITS=self.stored_logits, LEAD=lead,
-            FOLLOW=self.following, STORE_MIX=self.MIX is not self.R))
-        self.next_fwd, self.following = j + 1, lead
+            FOLLOW=self.behind > 0, STORE_MIX=self.MIX is not self.R))
+        if lead:
+            self.behind, self.led = 1, lead
+        else:
+            self.behind = self.behind + 1 if 0 < self.behind < self.led else 0
+        self.next_fwd = j + 1
         if j == self.N:
-            self.next_bwd, self.following = self.N, False
+            self.next_bwd, self.following, self.behind = self.N, False, 0
         return out
 
     def _expect_backward(self, j):

@@ -23,6 +23,7 @@ import tempfile
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 # PyTorch's CPU allocator on transparent huge pages: the suite's small CPU trainings allocate a (tokens x 50,304)
 # logit tensor at every micro-step, and on 4 KB pages the kernel faults and zeroes it page by page (a tiny run's step
@@ -833,6 +834,30 @@ def test_fused_routing_shared_reads(least, dtype):
                                   lambda j, x: torch.tanh(x)).detach())
         assert chain.fwd_lead == (fwd if cfg is config else set())
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("sites", [2, 3])
+@pytest.mark.parametrize("backward", ["site", "gather"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_wider_lead(sites, backward, dtype):
+    """A leading forward that runs the next 2 or 3 sites' softmax (fwd_lead_sites): the sites it leads resume their
+    states and read only the sources since; every pair's logit stored for either backward (heads of two column parts).
+    Against the reference, and bitwise the unpaired forward's output."""
+    config = rk.RoutingConfig(max_block_m=16, stored_logits=True, gather_logits=True, split=("fwd", "site", "gather"),
+                              lead_min=1, fwd_lead_sites=sites, backward=backward)
+    assert rk.lead_schedule(9, 1, sites)[0] == ({7, 4, 1} if sites == 2 else {6, 2})
+    check_fused_chain(9, 2, 19, 112, 4, dtype, config)
+    gen = torch.Generator().manual_seed(9)
+    s0 = torch.randn(2, 19, 112, generator=gen).to(DEVICE, dtype)
+    qs = [torch.randn(112, generator=gen).to(DEVICE) for _ in range(9)]
+    gs = [torch.ones(112, device=DEVICE) for _ in range(9)]
+    outs = []
+    for cfg in (config, replace(config, fwd_lead=None)):
+        chain = rk.FusedRouter(9, 4, 1e-6, cfg).start(s0, qs, gs)
+        outs.append(run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), s0, 9, lambda j, x: torch.tanh(x)))
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="fwd_lead_sites=4"):
+        rk.RoutingConfig(fwd_lead_sites=4)
 
 
 GATHER = rk.RoutingConfig(max_block_m=16, backward="gather")
