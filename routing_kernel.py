@@ -146,7 +146,7 @@ if triton is not None:
         tl.store(R + (j - 1).to(tl.int64) * M + rows64, r_new, mask=rmask & ((rows64 * 0 + h) == 0))   # one head writes r
         # the newest source into its slot; w = q*g (token block 0 stores it for the backward)
         cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
-        tile_b, mask_b = tile_a, mask_a
+        cols_b, cmask_b, tile_b, mask_b = cols_a, cmask_a, tile_a, mask_a   # part b: placeholders unless SPLIT
         new_a = tl.load(NEW + tile_a, mask=mask_a, other=0.0)
         tl.store(S + slot + tile_a, new_a, mask=mask_a)
         w_a = _head_w(Q, G, h, cols_a, cmask_a, D)
