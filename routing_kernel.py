@@ -118,7 +118,7 @@ if triton is not None:
         return tl.load(PML + ml, mask=rmask, other=float("-inf")), tl.load(PML + H * M + ml, mask=rmask, other=0.0), \
             acc_a, acc_b
 
-    @triton.jit(do_not_specialize=["j"])
+    @triton.jit(do_not_specialize=["j", "back"])   # (direct launches reuse one compiled kernel for every j and back)
     def _chain_fwd(
         S, R,       # [N, M, DM] sources, [N, M] fp32 RMS factors; slot j-1 is written here
         NEW, Q, G,  # [M, DM] the newest source s_{j-1} (this site's autograd input, contiguous); [DM] q and g
