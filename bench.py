@@ -402,20 +402,22 @@ CHAIN_SHAPES = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), (
                 ("100M-train", 12, 512, 4, 8, 2048), ("124M-train", 12, 768, 4, 8, 2048),
                 ("350M-train", 24, 1024, 8, 4, 1024), ("1B-train", 36, 1280, 8, 2, 1024)]
 # every setting DEFAULT and TUNED_H200 ship is a candidate, so a retune can find them again (a test checks it)
-TUNE_CANDIDATES = [(512, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048, 4, 3), (4096, 4, 3), (4096, 4, 4),
-                   (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
+TUNE_CANDIDATES = [(512, 1, 3), (512, 1, 4), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048, 4, 3), (4096, 4, 3),
+                   (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
 # gather_bwd, gather_bwd_lead, gather_logits: routing_gather's backward (tuned with it on; gather_logits from
 # LOGIT_CHOICES); "backward": which of the two runs, chosen last (after both backwards' settings) from BACKWARDS on
 # time alone (the gather backward holds ~0.7 GB more at the training microbatches: its fp32 site outputs)
-CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead", "gather_bwd", "gather_bwd_lead",
-                 "gather_logits", "backward")
-FWD_KERNELS = ("fwd", "fwd_lead")   # the others run in one backward or the other
+# fwd_lead_sites: how many sites a leading forward runs (LEAD_SITES), tuned after fwd_lead's tile
+CHAIN_KERNELS = ("fwd", "site", "pairs", "gather", "fwd_lead", "fwd_lead_sites", "gather_lead", "gather_bwd",
+                 "gather_bwd_lead", "gather_logits", "backward")
+FWD_KERNELS = ("fwd", "fwd_lead", "fwd_lead_sites")   # the others run in one backward or the other
 BLOCK_KERNELS = ("block_fwd", "block_bwd", "block_waves")   # block routing's (routing_block.py; --blocks)
 # block_waves' candidates, the backward's persistent programs per multiprocessor: up to 32, for one-warp programs (the
 # single head's tuned tile at d 1280: 2 a multiprocessor would leave it 2 warps to hide memory latency with)
 BLOCK_WAVES = (1, 2, 4, 8, 16, 32)
 BACKWARDS = ("site", "gather")
 LOGIT_CHOICES = (False, True)   # gather_logits: the gathers recompute each pair's logit, or load the forward's
+LEAD_SITES = (1, 2, 3)
 
 
 def run_chain(route_site, source0, n_sites, sublayer):
@@ -755,6 +757,7 @@ def tune_configs(kernels, shapes, per_shape, device, candidates=TUNE_CANDIDATES,
                 continue
             results, seen = [], set()
             for cand in BACKWARDS if kernel == "backward" else LOGIT_CHOICES if kernel == "gather_logits" else \
+                    LEAD_SITES if kernel == "fwd_lead_sites" else \
                     BLOCK_WAVES if kernel == "block_waves" else \
                     [(c, w) for c in candidates for w in BLOCK_WAVES] if joint and kernel == "block_bwd" else \
                     candidates + ([None] if kernel.endswith("_lead") else []):

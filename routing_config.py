@@ -81,19 +81,24 @@ DEFAULT = RoutingConfig()
 # from among the slowest (13.66 against 11.30 ms, tune_mhar_h200.txt) to the fastest: the 1B chains 9.95 -> 8.76 ms
 # (MHAR), 8.92 -> 7.66 (single head), results/gather_backward/accumulator_tune_h200.txt; at the other widths that
 # retune moved < 1% (within the noise: their tiles kept).
+# fwd_lead_sites (a leading forward runs the next 2 or 3 sites' softmax; results/forward_sharing/): MHAR's chains
+# 0.98x at d 512 and d 1280 with 2 (in two processes each); d 1024 1.00x with 2, 0.99x with 3: within the noise, kept
+# at 1; at d 768 a one-warp leading tile (DEFAULT's had stood) 0.95-0.96x, 2 sites on it no better; the single head
+# none (0.99-1.06x, and 1.26x / 4.4x at d 1280, whose leading tile is 16,384 elements).
 # block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
 # --tune-train`, which searches block_bwd x block_waves together: one at a time left 1B MHAR at 4.70 ms, the product
 # found 3.91); the backward's time moved up to 2x between tiles and again between wave counts: each width has its own.
 TUNED_H200 = {
-    (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), gather_lead=None,
+    (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), fwd_lead_sites=2,
+                   gather_lead=None,
                    stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16,
                    backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     # the single head: every kernel tuned (site, pairs, gather: the site-pass backward's, used when it is forced)
     (512, 1): dict(fwd=(512, 1, 3), site=(1024, 2, 4), pairs=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3),
                    gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
                    gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3), block_waves=16),
-    (768, 4): dict(block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4, backward="gather",
-                   gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
+    (768, 4): dict(fwd_lead=(512, 1, 4), block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4,
+                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     (768, 1): dict(fwd=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3), gather_lead=(512, 1, 3),
                    backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3), gather_logits=True),
     (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
@@ -102,9 +107,9 @@ TUNED_H200 = {
     (1024, 1): dict(fwd=(2048, 4, 3), site=(4096, 4, 4), pairs=(8192, 8, 3), gather=(8192, 8, 4), fwd_lead=(512, 1, 3),
                     gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
                     gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
-    (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), gather_lead=(1024, 2, 4), reducers=1, backward="gather",
-                    gather_bwd=(1024, 2, 4), gather_bwd_lead=(512, 1, 3), block_fwd=(512, 1, 3), block_bwd=(512, 1, 3),
-                    block_waves=8),
+    (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), fwd_lead_sites=2, gather_lead=(1024, 2, 4), reducers=1,
+                    backward="gather", gather_bwd=(1024, 2, 4), gather_bwd_lead=(512, 1, 3), block_fwd=(512, 1, 3),
+                    block_bwd=(512, 1, 3), block_waves=8),
     # the gather backward since dw's product runs once a pass: 11.03 ms against the site backward's 11.50 (was 12.14)
     (1280, 1): dict(fwd=(512, 1, 3), site=(512, 1, 3), pairs=(4096, 4, 3), gather=(16384, 8, 3), fwd_lead=(16384, 8, 3),
                     gather_lead=(512, 1, 3), backward="gather", gather_bwd=(1024, 2, 4), gather_bwd_lead=(512, 1, 3),

@@ -7,20 +7,23 @@ forward and once per site backward. Autograd runs site j's backward (a function 
 later site's, so site j gathers the whole of ds_{j-1}, in two launches per site backward: _chain_bwd_site (the sources
 and G_j read once: c, dw partials, each pair's da), then _chain_bwd_gather (s_{j-1} and every later G read once:
 ds_{j-1}; dw to dq, dg; and in extra programs the pair pass: alpha, dlogit and K's terms of site j's pairs, per pair
-with every head). Neighbouring sites share reads ("read sharing" blocks): a leading forward also runs site j+1's
-softmax over s_0..s_{j-1} and hands its fp32 state to site j+1, which adds only s_j; a leading gather also sums source
-j-2's terms over G_j..G_N, and site j-1's gather adds only G_{j-1}. Deterministic: every sum has a fixed order.
+with every head). Neighbouring sites share reads ("read sharing" blocks): a leading forward also runs the softmax of
+the next 1-3 sites (RoutingConfig.fwd_lead_sites) over s_0..s_{j-1} and hands each its fp32 state; site j+x resumes
+it and reads only s_j..s_{j+x-1} (per led site 8 bytes a channel of state against 2 per source it skips: 2 sites took
+MHAR's chains 0.98x at d 512 and 1280, 3 no further); a leading gather also sums source j-2's terms over G_j..G_N,
+and site j-1's gather adds only G_{j-1}. Deterministic: every sum has a fixed order.
 routing_gather.py: another backward for the same forward, without the site pass (per width); routing_block.py: block
 routing's own two kernels.
 
 Layouts (M = B*T tokens, row-major, 64-bit offsets; pair (j, n) is row j(j-1)/2 + n of P = N(N+1)/2): S, GB [N, M, d]
 sources, upstream gradients (activation dtype); fp32 R [N, M], W [N, d], LSE, C [N, H, M], DA, LG [P, H, M] (da, logit;
-then dlogit, alpha), KP [P, M], lead state PACC [M, d], PML [2, H, M], PK [M]. Envelope: bf16 / fp16 / fp32 sources,
-math in fp32; d % H == 0, D >= 16 (any D); any number of sources (tests: 145 on CUDA); > 2^31 elements per buffer;
-T = 1; outside it a ValueError names the limit (routing_config.check_envelope, beside the launch settings: tile, warps
-and stages per kernel, tuned per width). Cost: the forward, the site pass and the gather each read a pair's source
-(bf16: 2 bytes per channel each); a launch ~4 us per source it reads plus ~26-30 us (H200); eager, ~240 us of host
-time per site (routing_config.Launcher calls the compiled launchers directly). Measured: BENCHMARKS.md.
+then dlogit, alpha), KP [P, M], lead states PACC [L, M, d], PML [L, 2, H, M] (L led sites), PK [M]. Envelope: bf16 /
+fp16 / fp32 sources, math in fp32; d % H == 0, D >= 16 (any D); any number of sources (tests: 145 on CUDA); > 2^31
+elements per buffer; T = 1; outside it a ValueError names the limit (routing_config.check_envelope, beside the launch
+settings: tile, warps and stages per kernel, tuned per width). Cost: the forward, the site pass and the gather each
+read a pair's source (bf16: 2 bytes per channel each); a launch ~4 us per source it reads plus ~26-30 us (H200);
+eager, ~240 us of host time per site (routing_config.Launcher calls the compiled launchers directly). Measured:
+BENCHMARKS.md.
 """
 import functools
 import weakref
@@ -514,7 +517,7 @@ class RoutingChain:
         lead = self.launch["gather_lead"] if cfg.backward == "site" else cfg.gather_bwd_lead   # (routing_gather's)
         self.gather_lead = gather if lead and training else frozenset()
         # one lead state at a time (the forward's is used up before the backward); else unused placeholders
-        led = cfg.fwd_lead_sites if self.fwd_lead else 1   # lead states held at once: the forward's, or the gather's one
+        led = cfg.fwd_lead_sites if self.fwd_lead else 1   # lead states at once: the forward's, or the gather's one
         self.PACC, self.PML, self.PK = (torch.empty(led, M, d, **f32), torch.empty(led, 2, H, M, **f32),
                                         torch.empty(M, **f32)) if self.fwd_lead or self.gather_lead else (self.R,) * 3
         self.reset()
@@ -550,7 +553,7 @@ class RoutingChain:
                                                                           [g.detach() for g in gains])
         self.launcher.refresh(self.config.direct)
         self.following = False   # the previous launch (backward: gather j+1) led this one
-        self.behind, self.led = 0, 0   # forward: sites since the last leading one (0: none leads this one), how many it led
+        self.behind, self.led = 0, 0   # forward: sites since the last leader (0: none leads this one), how many it led
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
     def pending(self):

@@ -2569,13 +2569,15 @@ def test_bench_routing_blocks_option(monkeypatch):
 def test_tune_candidates_cover_the_configs():
     """bench.py routing --tune / --tune-train can find every config shipped (else a retune silently drops a best)."""
     kernels = [k for k in bench.CHAIN_KERNELS + bench.BLOCK_KERNELS if k not in ("backward", "gather_logits",
-                                                                                   "block_waves")]
+                                                                                   "fwd_lead_sites", "block_waves")]
     used = {getattr(rk.DEFAULT, k) for k in kernels if getattr(rk.DEFAULT, k) is not None} | {v for w in rk.TUNED_H200.values() for k, v in w.items()
                                                         if k in kernels and v is not None}
     assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
     backwards = {rk.DEFAULT.backward} | {w["backward"] for w in rk.TUNED_H200.values() if "backward" in w}
     assert "backward" in bench.CHAIN_KERNELS and backwards <= set(bench.BACKWARDS), backwards
     assert "gather_logits" in bench.CHAIN_KERNELS and set(bench.LOGIT_CHOICES) == {False, True}
+    sites = {rk.DEFAULT.fwd_lead_sites} | {w["fwd_lead_sites"] for w in rk.TUNED_H200.values() if "fwd_lead_sites" in w}
+    assert "fwd_lead_sites" in bench.CHAIN_KERNELS and sites <= set(bench.LEAD_SITES) == {1, 2, 3}, sites
     waves = {rk.DEFAULT.block_waves} | {w["block_waves"] for w in rk.TUNED_H200.values() if "block_waves" in w}
     assert "block_waves" in bench.BLOCK_KERNELS and waves <= set(bench.BLOCK_WAVES), waves
 
