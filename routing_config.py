@@ -90,8 +90,7 @@ DEFAULT = RoutingConfig()
 # found 3.91); the backward's time moved up to 2x between tiles and again between wave counts: each width has its own.
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), fwd_lead_sites=2,
-                   gather_lead=None,
-                   stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16,
+                   gather_lead=None, stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16,
                    backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     # the single head: every kernel tuned (site, pairs, gather: the site-pass backward's, used when it is forced)
     (512, 1): dict(fwd=(512, 1, 3), site=(1024, 2, 4), pairs=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3),

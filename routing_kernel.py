@@ -128,7 +128,7 @@ if triton is not None:
         W, OUT,     # [N, DM] fp32 w = q*g (row j-1 written, for the gathers); [M, DM] routed output
         LSE, LG,    # [N, H, M] fp32 log-sum-exp (row j-1 written); [P, H, M] fp32 logits (if STORE_LOGITS)
         Q2, G2, Q3, G3, Q4, G4,   # [DM] q and g of sites j+1, j+2, j+3 (read if LEAD >= 1, 2, 3)
-        PACC, PML,  # [LEAD, M, DM], [LEAD, 2, H, M] fp32 the led sites' mixes, maxima, denominators (FOLLOW reads one)
+        PACC, PML,  # [L, M, DM], [L, 2, H, M] fp32 the led sites' mixes, maxima, denominators (FOLLOW reads one)
         MIX,        # [N, M, DM] fp32 every site's output unrounded (row j-1 written if STORE_MIX)
         M, j, back, eps,   # tokens, this site (1..N), FOLLOW: how many sites after its leader, RMS eps
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,

@@ -810,6 +810,23 @@ def test_fused_routing_dw_reduction_split(split):
     assert chain.TICKET.tolist() == [0] * 4
 
 
+def led_outputs(N, dtype, config):
+    """The routed output of an N-site chain (B 2, T 19, d 112, H 4, tanh sublayers), same inputs, with `config` in
+    training and under no_grad, and with no site leading; and the first run's chain."""
+    gen = torch.Generator().manual_seed(N)
+    s0 = torch.randn(2, 19, 112, generator=gen).to(DEVICE, dtype)
+    qs = [torch.randn(112, generator=gen).to(DEVICE) for _ in range(N)]
+    gs = [torch.ones(112, device=DEVICE) for _ in range(N)]
+    outs, chains = [], []
+    for cfg, grad in [(config, True), (config, False), (replace(config, fwd_lead=None, gather_lead=None), True)]:
+        with torch.set_grad_enabled(grad):
+            chains.append(rk.FusedRouter(N, 4, 1e-6, cfg).start(s0.requires_grad_(grad), qs, gs))
+            outs.append(run_chain(lambda j, x: chains[-1].route(j, x, qs[j - 1], gs[j - 1]), s0, N,
+                                  lambda j, x: torch.tanh(x)).detach())
+    assert chains[2].fwd_lead == set()
+    return outs, chains[0]
+
+
 @pytest.mark.parametrize("least", [1, 3])   # 1: every other site leads (both ways); 3: some lead, some run alone
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_routing_shared_reads(least, dtype):
@@ -821,19 +838,8 @@ def test_fused_routing_shared_reads(least, dtype):
     fwd, gather = rk.lead_schedule(7, least)
     assert (fwd, gather) == (({2, 4, 6}, {2, 4, 6}) if least == 1 else ({4, 6}, {2, 4}))
     check_fused_chain(7, 2, 19, 112, 4, dtype, config)
-    gen = torch.Generator().manual_seed(7)
-    s0 = torch.randn(2, 19, 112, generator=gen).to(DEVICE, dtype)
-    qs = [torch.randn(112, generator=gen).to(DEVICE) for _ in range(7)]
-    gs = [torch.ones(112, device=DEVICE) for _ in range(7)]
-    outs = []
-    no_leads = rk.RoutingConfig(max_block_m=16, stored_logits=True, split=config.split, fwd_lead=None, gather_lead=None)
-    for cfg, grad in [(config, True), (config, False), (no_leads, True)]:
-        with torch.set_grad_enabled(grad):
-            chain = rk.FusedRouter(7, 4, 1e-6, cfg).start(s0.requires_grad_(grad), qs, gs)
-            outs.append(run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), s0, 7,
-                                  lambda j, x: torch.tanh(x)).detach())
-        assert chain.fwd_lead == (fwd if cfg is config else set())
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    outs, chain = led_outputs(7, dtype, config)
+    assert chain.fwd_lead == fwd and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("sites", [2, 3])
@@ -842,20 +848,14 @@ def test_fused_routing_shared_reads(least, dtype):
 def test_fused_routing_wider_lead(sites, backward, dtype):
     """A leading forward that runs the next 2 or 3 sites' softmax (fwd_lead_sites): the sites it leads resume their
     states and read only the sources since; every pair's logit stored for either backward (heads of two column parts).
-    Against the reference, and bitwise the unpaired forward's output."""
+    Against the reference, and bitwise the unpaired forward's output, in training and under no_grad (on a GPU this
+    also checks that a led site's distance from its leader reaches the compiled kernel: direct launches)."""
     config = rk.RoutingConfig(max_block_m=16, stored_logits=True, gather_logits=True, split=("fwd", "site", "gather"),
                               lead_min=1, fwd_lead_sites=sites, backward=backward)
-    assert rk.lead_schedule(9, 1, sites)[0] == ({7, 4, 1} if sites == 2 else {6, 2})
     check_fused_chain(9, 2, 19, 112, 4, dtype, config)
-    gen = torch.Generator().manual_seed(9)
-    s0 = torch.randn(2, 19, 112, generator=gen).to(DEVICE, dtype)
-    qs = [torch.randn(112, generator=gen).to(DEVICE) for _ in range(9)]
-    gs = [torch.ones(112, device=DEVICE) for _ in range(9)]
-    outs = []
-    for cfg in (config, replace(config, fwd_lead=None)):
-        chain = rk.FusedRouter(9, 4, 1e-6, cfg).start(s0, qs, gs)
-        outs.append(run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), s0, 9, lambda j, x: torch.tanh(x)))
-    assert torch.equal(outs[0], outs[1])
+    outs, chain = led_outputs(9, dtype, config)
+    assert chain.fwd_lead == ({7, 4, 1} if sites == 2 else {6, 2})
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     with pytest.raises(ValueError, match="fwd_lead_sites=4"):
         rk.RoutingConfig(fwd_lead_sites=4)
 
