@@ -212,13 +212,13 @@ def _dw_terms(DLR, S, PDW, N, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.c
 
 
 def dw_launch(N, M, H, D):
-    """_dw_terms' (sites, tokens a step, columns) a program and token splits: each program reads its DLR rows and s_n
-    columns once, so wider blocks re-read less; the splits fill the GPU (~2,048 programs over every source, >= 512
-    tokens each). 16 tokens a step: with 32, the IEEE product held 255 registers and spilled (ptxas for sm_90, 4 warps);
-    127 with 16."""
+    """_dw_terms' (sites, tokens a step, columns) a program, token splits and warps: each program reads its DLR rows and
+    s_n columns once, so wider blocks re-read less; the splits fill the GPU (~2,048 programs over every source, >= 512
+    tokens each). 16 tokens a step on 4 warps: with 32, the IEEE product held 255 registers and spilled (ptxas for
+    sm_90); 127 with 16. (The tf32x3 product holds 115 at 16 and 164 at 32, and spills at 64: Triton 3.9's ptxas.)"""
     bj, bc = 32, min(64, triton.next_power_of_2(D))
     programs = H * triton.cdiv(D, bc) * N * triton.cdiv(N, bj)
-    return bj, 64 if INTERPRET else 16, bc, max(1, min(triton.cdiv(M, 512), triton.cdiv(2048, programs)))
+    return bj, 64 if INTERPRET else 16, bc, max(1, min(triton.cdiv(M, 512), triton.cdiv(2048, programs))), 4
 
 
 class GatherChain(RoutingChain):
@@ -272,9 +272,9 @@ class GatherChain(RoutingChain):
             return ds, None, None
         # the last site: every pair's dlogit r_n is in DLR, so dw's product runs once over every pair, then dw_j = the
         # sum over splits, then over site j's pairs (fixed order)
-        bj, bt, bc, splits = self.dw_launch
+        bj, bt, bc, splits, warps = self.dw_launch
         per_split = triton.cdiv(triton.cdiv(M, splits), bt) * bt
-        self.launcher.launch(_dw_terms, ("dw",), (H * triton.cdiv(self.D, bc), N * triton.cdiv(N, bj), splits), 4, (),
+        self.launcher.launch(_dw_terms, ("dw",), (H * triton.cdiv(self.D, bc), N * triton.cdiv(N, bj), splits), warps, (),
                              {}, lambda: dict(
             DLR=self.DLR, S=self.S, PDW=self.PDW, N=N, M=M, tokens_per_split=per_split, P1=self.PDW.size(1), DM=d, H=H,
             D=self.D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc, PRECISION=self.dw_precision))
