@@ -51,12 +51,10 @@ if triton is not None:
         [H, M] matrix and their mask."""
         rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask, rows64 = rows < M, rows.to(tl.int64)
-        roff, off_a, mask_a, _, _ = _part(rows64, rmask, 0, D_A, DM, H, D, BH)
-        off_a = roff + off_a   # (one offset per element: these loops were tuned on it)
+        off_a, mask_a, _, _ = _part(rows64, rmask, 0, D_A, DM, H, D, BH)
         off_b, mask_b = off_a, mask_a
         if BLOCK_B > 0:
-            _, off_b, mask_b, _, _ = _part(rows64, rmask, D_A, BLOCK_B, DM, H, D, BH)
-            off_b = roff + off_b
+            off_b, mask_b, _, _ = _part(rows64, rmask, D_A, BLOCK_B, DM, H, D, BH)
         heads = tl.arange(0, BH)
         hoff, hmask = (heads * M).to(tl.int64)[None, :] + rows64[:, None], rmask[:, None] & (heads < H)[None, :]
         return rows64, rmask, off_a, mask_a, off_b, mask_b, hoff, hmask
@@ -66,10 +64,10 @@ if triton is not None:
                BLOCK_B: tl.constexpr):
         """w = q * g per head, both column parts ([1, BH, part], fp32); and the parts' offsets and masks in a row."""
         rows0 = tl.zeros((1,), tl.int64)
-        _, _, _, woff_a, wmask_a = _part(rows0, rows0 == 0, 0, D_A, DM, H, D, BH)
+        _, _, woff_a, wmask_a = _part(rows0, rows0 == 0, 0, D_A, DM, H, D, BH)
         woff_b, wmask_b = woff_a, wmask_a
         if BLOCK_B > 0:
-            _, _, _, woff_b, wmask_b = _part(rows0, rows0 == 0, D_A, BLOCK_B, DM, H, D, BH)
+            _, _, woff_b, wmask_b = _part(rows0, rows0 == 0, D_A, BLOCK_B, DM, H, D, BH)
         q_a, q_b = _load(Q, 0, woff_a, wmask_a, woff_b, wmask_b, BLOCK_B > 0)
         g_a, g_b = _load(G, 0, woff_a, wmask_a, woff_b, wmask_b, BLOCK_B > 0)
         return (q_a * g_a)[None, :, :], (q_b * g_b)[None, :, :], woff_a, wmask_a, woff_b, wmask_b

@@ -46,20 +46,16 @@ from routing_kernel import RoutingChain, _dot2
 @triton.jit
 def _part(rows64, rmask, C0: tl.constexpr, BW: tl.constexpr, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
           BH: tl.constexpr):
-    """Columns [C0, C0 + BW) of every head (masked to D) of a [BLOCK_M, BH, BW] tile of an [M, DM] matrix: its row
-    offsets ([BLOCK_M, 1, 1], int64), column offsets ([1, BH, BW]) and mask; and the [BH, BW] tile of a row of W.
-    A tile's address is base + row offsets + column offsets, summed in that order at each access: a loop then keeps
-    the small row and column offsets, not one int64 offset per element (with it, the leading gather at d 512 held 165
-    registers a thread, 128 without; ptxas for sm_90)."""
+    """Columns [C0, C0 + BW) of every head (masked to D): offsets and mask of a [BLOCK_M, BH, BW] tile of an [M, DM]
+    matrix, and of the [BH, BW] tile of a row of W."""
     heads, cols = tl.arange(0, BH), C0 + tl.arange(0, BW)
     woff, wmask = (heads * D)[:, None] + cols[None, :], (heads < H)[:, None] & (cols < D)[None, :]
-    return rows64[:, None, None] * DM, woff[None, :, :], rmask[:, None, None] & wmask[None, :, :], woff, wmask
+    return rows64[:, None, None] * DM + woff[None, :, :], rmask[:, None, None] & wmask[None, :, :], woff, wmask
 
 
 @triton.jit
 def _load(X, base, off_a, mask_a, off_b, mask_b, SPLIT: tl.constexpr):
-    """Both column parts of a tile at X + base, in fp32 (part b = part a when not SPLIT); base: a scalar, or one
-    per row (a slot's offset plus _part's row offsets)."""
+    """Both column parts of a tile at X + base, in fp32 (part b = part a when not SPLIT)."""
     x_a = tl.load(X + base + off_a, mask=mask_a, other=0.0).to(tl.float32)
     x_b = x_a
     if SPLIT:
@@ -106,10 +102,10 @@ def _zeros(BLOCK_M: tl.constexpr, BH: tl.constexpr, D_A: tl.constexpr, BLOCK_B: 
 
 
 @triton.jit
-def _store_ds(DS, acc, s, r, k, inv_dm, roff, off, mask):
+def _store_ds(DS, acc, s, r, k, inv_dm, off, mask):
     """ds_n = sum_j (alpha G_j + dlogit r_n w_j) - (r^2 / d) K s_n on one column part."""
     ds = acc - (r * r * k * inv_dm)[:, None, None] * s
-    tl.store(DS + roff + off, _rounded(ds, DS.dtype.element_ty), mask=mask)
+    tl.store(DS + off, _rounded(ds, DS.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["j", "M"])   # (an int argument that equals 1 would become a constant: M.to fails)
@@ -127,23 +123,23 @@ def _gather_bwd(
     SPLIT: tl.constexpr = BLOCK_B > 0
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask, rows64, M64 = rows < M, rows.to(tl.int64), M.to(tl.int64)
-    roff, off_a, mask_a, woff_a, wmask_a = _part(rows64, rmask, 0, D_A, DM, H, D, BH)
+    off_a, mask_a, woff_a, wmask_a = _part(rows64, rmask, 0, D_A, DM, H, D, BH)
     off_b, mask_b, woff_b, wmask_b = off_a, mask_a, woff_a, wmask_a
     if SPLIT:
-        _, off_b, mask_b, woff_b, wmask_b = _part(rows64, rmask, D_A, BLOCK_B, DM, H, D, BH)
+        off_b, mask_b, woff_b, wmask_b = _part(rows64, rmask, D_A, BLOCK_B, DM, H, D, BH)
     heads = tl.arange(0, BH)
     hoff, hmask = (heads * M).to(tl.int64)[None, :] + rows64[:, None], rmask[:, None] & (heads < H)[None, :]
     n = j - 1   # the source this gather owns
     slot = n * M64 * DM
-    s_a, s_b = _load(S, slot + roff, off_a, mask_a, off_b, mask_b, SPLIT)
+    s_a, s_b = _load(S, slot, off_a, mask_a, off_b, mask_b, SPLIT)
     r = tl.load(R + n * M64 + rows64, mask=rmask, other=0.0)
     row0 = n * N - n * (n - 1) // 2 - j   # source n's pairs: site jp at row row0 + jp
     # site j's own terms: its upstream gradient, kept for the gathers of older sources, and c_j = <G_j, out_j>
-    g_a, g_b = _load(GIN, roff, off_a, mask_a, off_b, mask_b, SPLIT)
-    tl.store(GB + (slot + roff) + off_a, g_a.to(GB.dtype.element_ty), mask=mask_a)   # (exact: G_j is in GB's dtype)
+    g_a, g_b = _load(GIN, 0, off_a, mask_a, off_b, mask_b, SPLIT)
+    tl.store(GB + slot + off_a, g_a.to(GB.dtype.element_ty), mask=mask_a)   # (exact: G_j is in GB's dtype)
     if SPLIT:
-        tl.store(GB + (slot + roff) + off_b, g_b.to(GB.dtype.element_ty), mask=mask_b)
-    mix_a, mix_b = _load(MIX, slot + roff, off_a, mask_a, off_b, mask_b, SPLIT)
+        tl.store(GB + slot + off_b, g_b.to(GB.dtype.element_ty), mask=mask_b)
+    mix_a, mix_b = _load(MIX, slot, off_a, mask_a, off_b, mask_b, SPLIT)
     c = _dot2(g_a, mix_a, g_b, mix_b, SPLIT)
     tl.store(C + n * H * M64 + hoff, c, mask=hmask)
     acc_a, acc_b, k = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
@@ -151,12 +147,12 @@ def _gather_bwd(
     # -- read sharing: FOLLOW starts from the sums site j+1's gather left for this source over sites j+1..N and reads
     # only G_j; LEAD also sums source n-1's terms on every gradient tile it loads
     if FOLLOW:
-        acc_a, acc_b = _load(PACC, roff, off_a, mask_a, off_b, mask_b, SPLIT)
+        acc_a, acc_b = _load(PACC, 0, off_a, mask_a, off_b, mask_b, SPLIT)
         k, last = tl.load(PK + rows64, mask=rmask, other=0.0), j
     s2_a, s2_b, r2, row2 = s_a, s_b, r, row0   # source n-1's tiles and sums (placeholders unless LEAD)
     acc2_a, acc2_b, k2 = acc_a, acc_b, k
     if LEAD:
-        s2_a, s2_b = _load(S, slot - M64 * DM + roff, off_a, mask_a, off_b, mask_b, SPLIT)
+        s2_a, s2_b = _load(S, slot - M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
         r2, row2 = tl.load(R + (n - 1) * M64 + rows64, mask=rmask, other=0.0), (n - 1) * N - (n - 1) * (n - 2) // 2 - n
         acc2_a, acc2_b, k2 = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
     # -- end of read sharing setup
@@ -168,7 +164,7 @@ def _gather_bwd(
         acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + j, LG,
                                    site0 + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
     for jp in tl.range(j + 1, last + 1, num_stages=STAGES):   # every later site that reads source n
-        g_a, g_b = _load(GB, (jp - 1) * M64 * DM + roff, off_a, mask_a, off_b, mask_b, SPLIT)
+        g_a, g_b = _load(GB, (jp - 1) * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
         c = tl.load(C + (jp - 1) * H * M64 + hoff, mask=hmask, other=0.0)
         w_a, w_b, lse = _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
         site = jp * (jp - 1) // 2
@@ -178,13 +174,13 @@ def _gather_bwd(
             acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + jp, LG,
                                        site + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
     if LEAD:   # read sharing: source n-1's sums, handed to site j-1's gather
-        tl.store(PACC + roff + off_a, acc2_a, mask=mask_a)
+        tl.store(PACC + off_a, acc2_a, mask=mask_a)
         if SPLIT:
-            tl.store(PACC + roff + off_b, acc2_b, mask=mask_b)
+            tl.store(PACC + off_b, acc2_b, mask=mask_b)
         tl.store(PK + rows64, k2, mask=rmask)
-    _store_ds(DS, acc_a, s_a, r, k, inv_dm, roff, off_a, mask_a)
+    _store_ds(DS, acc_a, s_a, r, k, inv_dm, off_a, mask_a)
     if SPLIT:
-        _store_ds(DS, acc_b, s_b, r, k, inv_dm, roff, off_b, mask_b)
+        _store_ds(DS, acc_b, s_b, r, k, inv_dm, off_b, mask_b)
 
 
 @triton.jit(do_not_specialize=["M"])
