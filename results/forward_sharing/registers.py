@@ -44,25 +44,17 @@ if __name__ == "__main__":
                 for prec in ("tf32x3", "ieee"):
                     c = dict(DM=d, H=H, D=D, BLOCK_J=32, BLOCK_T=bt, BLOCK_C=min(64, triton.next_power_of_2(D)), PRECISION=prec)
                     print(f"dw d{d} H{H} BLOCK_T {bt} {prec}: {usage(rg._dw_terms, sig, c, 4)}", flush=True)
-    if "gather" in which:
+    # the gathers per tokens a program and warps; gather_warps: one token a program on 1, 2 or 4 warps (tile 512 on 2
+    # or 4 warps at d 512 / 768)
+    for section, widths, blocks in (("gather", [(512, 4), (1024, 8), (512, 1)], [(1, 1), (2, 1), (2, 2), (4, 2)]),
+                                    ("gather_warps", [(512, 4), (512, 1), (768, 4)], [(1, 1), (1, 2), (1, 4), (2, 4)])):
+        if section not in which:
+            continue
         sig = sig_of(rg._gather_bwd, {"S", "GIN", "GB", "DS"}, {"M", "j", "N"}, {"inv_dm"})
-        for d, H in [(512, 4), (1024, 8), (512, 1)]:
+        for d, H in widths:
             D = d // H
             bh, (d_a, bb, lanes) = triton.next_power_of_2(H), _split(D)
-            for bm, w in [(1, 1), (2, 1), (2, 2), (4, 2)]:
-                out = []
-                for lead in (False, True):
-                    c = dict(DM=d, H=H, D=D, BH=bh, D_A=d_a, BLOCK_B=bb, BLOCK_M=bm, STAGES=3, LEAD=lead, FOLLOW=False,
-                             LOGITS_STORED=config_for(d, H).gather_logits)
-                    out.append(usage(rg._gather_bwd, sig, c, w))
-                print(f"gather d{d} H{H} BM{bm} w{w}: alone {out[0]} | lead {out[1]}", flush=True)
-
-    if "gather_warps" in which:   # one token a program on 1, 2 or 4 warps (tile 512 on 2 or 4 warps at d 512 / 768)
-        sig = sig_of(rg._gather_bwd, {"S", "GIN", "GB", "DS"}, {"M", "j", "N"}, {"inv_dm"})
-        for d, H in [(512, 4), (512, 1), (768, 4)]:
-            D = d // H
-            bh, (d_a, bb, lanes) = triton.next_power_of_2(H), _split(D)
-            for bm, w in [(1, 1), (1, 2), (1, 4), (2, 4)]:
+            for bm, w in blocks:
                 out = []
                 for lead in (False, True):
                     c = dict(DM=d, H=H, D=D, BH=bh, D_A=d_a, BLOCK_B=bb, BLOCK_M=bm, STAGES=3, LEAD=lead, FOLLOW=False,
