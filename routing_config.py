@@ -84,7 +84,10 @@ DEFAULT = RoutingConfig()
 # fwd_lead_sites (a leading forward runs the next 2 or 3 sites' softmax; results/forward_sharing/): MHAR's chains
 # 0.98x at d 512 and d 1280 with 2 (in two processes each); d 1024 1.00x with 2, 0.99x with 3: within the noise, kept
 # at 1; at d 768 a one-warp leading tile (DEFAULT's had stood) 0.95-0.96x, 2 sites on it no better; the single head
-# none (0.99-1.06x, and 1.26x / 4.4x at d 1280, whose leading tile is 16,384 elements).
+# none (0.99-1.06x, and 1.26x / 4.4x at d 1280, whose leading tile is 16,384 elements). d 768's other forwards on a
+# one-warp 512-element tile (DEFAULT's 4,096-element, 4-warp tile held 255 registers and spilled): its MHAR chain
+# 0.96x (6.68-6.89 against 6.97-7.09 ms, three rounds; results/gather_backward/fwd768_ab_h200.txt). Register caps
+# (Triton's maxnreg) on the forwards and the gathers paid nowhere beyond 1% (maxnreg_ab_h200.txt): none ships.
 # block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
 # --tune-train`, which searches block_bwd x block_waves together: one at a time left 1B MHAR at 4.70 ms, the product
 # found 3.91); the backward's time moved up to 2x between tiles and again between wave counts: each width has its own.
@@ -96,7 +99,7 @@ TUNED_H200 = {
     (512, 1): dict(fwd=(512, 1, 3), site=(1024, 2, 4), pairs=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3),
                    gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
                    gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3), block_waves=16),
-    (768, 4): dict(fwd_lead=(512, 1, 4), block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4,
+    (768, 4): dict(fwd=(512, 1, 3), fwd_lead=(512, 1, 4), block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4,
                    backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
     (768, 1): dict(fwd=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3), gather_lead=(512, 1, 3),
                    backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3), gather_logits=True),

@@ -1,19 +1,9 @@
 # Registers and stack a thread of the gathers (leading, following) and the forwards (leading, other) at each width's shipped
 # tiles under register caps (Triton's maxnreg): sm_90 cubins, no GPU needed; run it with the H200's Triton (3.6).
 #   python results/gather_backward/registers_caps.py
-import subprocess, sys, tempfile
+import sys
 sys.path.insert(0, "."); sys.path.insert(0, "results/forward_sharing")
-from registers import triton, ASTSource, target, CUOBJ, sig_of, rg, rk, config_for, _split, _block_m
-def usage(fn, sig, consts, warps, stages, cap):
-    opts = dict(num_warps=warps, num_stages=stages)
-    if cap:
-        opts["maxnreg"] = cap
-    k = triton.compile(ASTSource(fn, sig, consts), target=target, options=opts)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"]); f.flush()
-        out = subprocess.run([CUOBJ, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    line = [l for l in out.splitlines() if "REG" in l][0]
-    return " ".join(x for x in line.split() if x.startswith(("REG", "STACK")))
+from registers import triton, sig_of, rg, rk, config_for, _split, _block_m, usage
 sig = sig_of(rg._gather_bwd, {"S", "GIN", "GB", "DS"}, {"M", "j", "N"}, {"inv_dm"})
 for d, H, caps in [(512, 4, (None, 96, 80, 64)), (768, 4, (None, 168, 128)), (1024, 8, (None, 192, 168, 128)), (1280, 8, (None, 128))]:
     cfg, D = config_for(d, H), d // H
