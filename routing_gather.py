@@ -65,26 +65,27 @@ def _load(X, base, off_a, mask_a, off_b, mask_b, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _site(W, LSE, w_o, h_o, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, SPLIT: tl.constexpr):
-    """A site's w (both parts, [1, BH, part]) at W + w_o and log-sum-exp ([BLOCK_M, BH]) at LSE + h_o."""
-    w_a, w_b = _load(W, w_o, woff_a, wmask_a, woff_b, wmask_b, SPLIT)
-    return w_a[None, :, :], w_b[None, :, :], tl.load(LSE + h_o + hoff, mask=hmask, other=0.0)
+def _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM: tl.constexpr, H: tl.constexpr,
+          SPLIT: tl.constexpr):
+    """Site jp's w (both parts, [1, BH, part]) and log-sum-exp ([BLOCK_M, BH])."""
+    w_a, w_b = _load(W, (jp - 1) * DM, woff_a, wmask_a, woff_b, wmask_b, SPLIT)
+    return w_a[None, :, :], w_b[None, :, :], tl.load(LSE + (jp - 1) * H * M64 + hoff, mask=hmask, other=0.0)
 
 
 @triton.jit
-def _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, d_o, LG, l_o, hoff, hmask,
-          SPLIT: tl.constexpr, LOGITS_STORED: tl.constexpr):
-    """Pair (site jp, source n): acc += alpha G + dlogit r_n w, k += sum_h dlogit logit; dlogit r_n stored at DLR + d_o
-    (its row: the dw product's operand). s, g: [BLOCK_M, BH, part] fp32 tiles, r: [BLOCK_M], c: [BLOCK_M, BH]. The
-    logit is recomputed, or with LOGITS_STORED loaded from the forward's row at LG + l_o."""
+def _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row, LG, lrow, hoff, hmask, M64,
+          H: tl.constexpr, SPLIT: tl.constexpr, LOGITS_STORED: tl.constexpr):
+    """Pair (site jp, source n): acc += alpha G + dlogit r_n w, k += sum_h dlogit logit; dlogit r_n stored as DLR row
+    `row` (the dw product's operand). s, g: [BLOCK_M, BH, part] fp32 tiles, r: [BLOCK_M], c: [BLOCK_M, BH]. The logit
+    is recomputed, or with LOGITS_STORED loaded from the forward's row `lrow` of LG."""
     if LOGITS_STORED:
-        logit = tl.load(LG + l_o + hoff, mask=hmask, other=0.0)
+        logit = tl.load(LG + lrow * H * M64 + hoff, mask=hmask, other=0.0)
     else:
         logit = r[:, None] * _dot2(s_a, w_a, s_b, w_b, SPLIT)
     alpha = tl.exp(logit - lse)
     dlogit = alpha * (_dot2(g_a, s_a, g_b, s_b, SPLIT) - c)
     rdl = dlogit * r[:, None]
-    tl.store(DLR + d_o + hoff, rdl, mask=hmask)
+    tl.store(DLR + row * H * M64 + hoff, rdl, mask=hmask)
     acc_a = acc_a + alpha[:, :, None] * g_a + rdl[:, :, None] * w_a
     if SPLIT:
         acc_b = acc_b + alpha[:, :, None] * g_b + rdl[:, :, None] * w_b
@@ -156,30 +157,23 @@ def _gather_bwd(
         r2, row2 = tl.load(R + (n - 1) * M64 + rows64, mask=rmask, other=0.0), (n - 1) * N - (n - 1) * (n - 2) // 2 - n
         acc2_a, acc2_b, k2 = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
     # -- end of read sharing setup
-    # site jp's offsets (elements): its GB slot, its row of W, its rows of C and LSE, the pairs' rows of DLR and LG;
-    # carried from one site to the next by additions (a 64-bit product each iteration was 4-16% of the loop's
-    # instructions, sm_90 SASS)
-    hm = H * M64
-    g_o, w_o, h_o = j * M64 * DM, (j - 1) * DM, (j - 1) * hm   # (g_o: site j+1's; site j's gradient is GIN)
-    d_o, d2_o, l_o = (row0 + j) * hm, (row2 + j) * hm, (j * (j - 1) // 2 + n) * hm
-    w_a, w_b, lse = _site(W, LSE, w_o, h_o, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, SPLIT)
-    acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, d_o, LG, l_o, hoff, hmask,
-                            SPLIT, LOGITS_STORED)
+    w_a, w_b, lse = _site(W, LSE, j, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
+    site0 = j * (j - 1) // 2   # LG's first row of site j (of site jp in the loop: `site`)
+    acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + j, LG, site0 + n, hoff,
+                            hmask, M64, H, SPLIT, LOGITS_STORED)
     if LEAD:
-        acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, d2_o, LG,
-                                   l_o - hm, hoff, hmask, SPLIT, LOGITS_STORED)
-    l_o += j * hm   # LG's rows are site-major: site jp + 1's start jp rows after site jp's
+        acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + j, LG,
+                                   site0 + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
     for jp in tl.range(j + 1, last + 1, num_stages=STAGES):   # every later site that reads source n
-        w_o, h_o, d_o, d2_o = w_o + DM, h_o + hm, d_o + hm, d2_o + hm
-        g_a, g_b = _load(GB, g_o, off_a, mask_a, off_b, mask_b, SPLIT)
-        c = tl.load(C + h_o + hoff, mask=hmask, other=0.0)
-        w_a, w_b, lse = _site(W, LSE, w_o, h_o, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, SPLIT)
-        acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, d_o, LG, l_o, hoff,
-                                hmask, SPLIT, LOGITS_STORED)
+        g_a, g_b = _load(GB, (jp - 1) * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
+        c = tl.load(C + (jp - 1) * H * M64 + hoff, mask=hmask, other=0.0)
+        w_a, w_b, lse = _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
+        site = jp * (jp - 1) // 2
+        acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + jp, LG, site + n,
+                                hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
         if LEAD:   # read sharing: the same gradient tile, the previous source
-            acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, d2_o, LG,
-                                       l_o - hm, hoff, hmask, SPLIT, LOGITS_STORED)
-        g_o, l_o = g_o + M64 * DM, l_o + jp * hm
+            acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + jp, LG,
+                                       site + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
     if LEAD:   # read sharing: source n-1's sums, handed to site j-1's gather
         tl.store(PACC + off_a, acc2_a, mask=mask_a)
         if SPLIT:
