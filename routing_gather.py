@@ -14,9 +14,8 @@ token and head against a dot over the head. A single head's dot spans the whole 
 0.98x / 0.98x / 0.92x / 0.90x at d 512 / 768 / 1024 / 1280; MHAR's H logits a token lie in H rows (at one token a
 program, a memory sector each) and cost more than its per-head dots (1.00-1.15x): the single-head entries set it.
 ds_n's two sums over sites, sum alpha G_jp and sum dlogit r_n w_jp, share one fp32 accumulator (a second one cost the
-one-warp programs d/32 registers a thread: 122 / 216 -> 96 / 128 at d 512 alone / leading, 210 -> 168 at d 1024
-alone, Triton 3.9's ptxas for sm_90 on the CPU, whose counts the H200's Triton 3.6 need not share; occupancy 12.5% ->
-18.75% at d 1024 (ncu); MHAR's chains 0.88-0.99x, the single head's 0.90-0.99x).
+one-warp programs d/32 registers a thread: the H200's launched gathers went 168 -> 128 at d 512 leading and 236 -> 168
+at d 1024 alone; occupancy 12.5% -> 18.75% at d 1024 (ncu); MHAR's chains 0.88-0.99x, the single head's 0.90-0.99x).
 dw_jp = sum_n sum_tokens dlogit r_n s_n[h] spans every source of site jp, so it is final only when the gather of s_0
 ends: each gather stores its pairs' dlogit r_n, and once the last one is done a matrix product over the tokens, one
 launch for every pair (a launch per source was 12-16% of the chain: small grids), makes each pair's terms (fp32,
@@ -215,9 +214,9 @@ def _dw_terms(DLR, S, PDW, N, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.c
 def dw_launch(N, M, H, D):
     """_dw_terms' (sites, tokens a step, columns) a program, token splits and warps: each program reads its DLR rows and
     s_n columns once, so wider blocks re-read less; the splits fill the GPU (~2,048 programs over every source, >= 512
-    tokens each). 16 tokens a step on 4 warps: with 32, the IEEE product held 255 registers and spilled (ptxas for
-    sm_90); 127 with 16. The tf32x3 product at 32 tokens on 4 warps, 32 or 64 on 8 took dw's kernel 1.00-1.12x and
-    1.30-1.43x the time of 16 on 4 at the training microbatches on an H200 (BENCHMARKS.md)."""
+    tokens each). 16 tokens a step on 4 warps: with 32, the IEEE product holds 255 registers and spills; 128 with 16
+    (Triton 3.6 for sm_90, compiled as launched). The tf32x3 product at 32 tokens on 4 warps, 32 or 64 on 8 took dw's
+    kernel 1.00-1.12x and 1.30-1.43x the time of 16 on 4 at the training microbatches on an H200 (BENCHMARKS.md)."""
     bj, bc = 32, min(64, triton.next_power_of_2(D))
     programs = H * triton.cdiv(D, bc) * N * triton.cdiv(N, bj)
     return bj, 64 if INTERPRET else 16, bc, max(1, min(triton.cdiv(M, 512), triton.cdiv(2048, programs))), 4
