@@ -112,7 +112,8 @@ def _store_ds(DS, acc, s, r, k, inv_dm, off, mask):
 def _gather_bwd(
     S, R, W, LSE, MIX,  # the forward's: [N, M, DM] sources, [N, M] RMS factors, [N, DM] w, [N, H, M] lse, [N, M, DM] mix
     LG,                 # LOGITS_STORED: the forward's [P, H, M] logits, site-major (pair (jp, n): row jp (jp-1)/2 + n)
-    GIN, GB, C,         # [M, DM] site j's upstream gradient; [N, M, DM] every site's (slot j-1 written); [N, H, M] c
+    GIN, GB, CL,        # [M, DM] site j's upstream gradient; [N, M, DM] every site's (slot j-1 written);
+                        # [N, M, H, 2] c and lse, token-major (a token's 2H scalars of a site in one row; slot j-1 written)
     DLR, DS,            # [P, H, M] fp32 dlogit r_n per pair, source-major (pairs (j..N, n) written); [M, DM] ds_n
     PACC, PK,           # [M, DM], [M] fp32 source n-1's sums over sites j..N (LEAD writes, site j-1's FOLLOW reads)
     M, j, N, inv_dm,
@@ -129,6 +130,8 @@ def _gather_bwd(
         off_b, mask_b, woff_b, wmask_b = _part(rows64, rmask, D_A, BLOCK_B, DM, H, D, BH)
     heads = tl.arange(0, BH)
     hoff, hmask = (heads * M).to(tl.int64)[None, :] + rows64[:, None], rmask[:, None] & (heads < H)[None, :]
+    toff = (rows64[:, None] * (2 * H) + heads[None, :] * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]   # CL's (c, lse)
+    tmask = tl.broadcast_to(hmask[:, :, None], (BLOCK_M, BH, 2))
     n = j - 1   # the source this gather owns
     slot = n * M64 * DM
     s_a, s_b = _load(S, slot, off_a, mask_a, off_b, mask_b, SPLIT)
@@ -141,7 +144,6 @@ def _gather_bwd(
         tl.store(GB + slot + off_b, g_b.to(GB.dtype.element_ty), mask=mask_b)
     mix_a, mix_b = _load(MIX, slot, off_a, mask_a, off_b, mask_b, SPLIT)
     c = _dot2(g_a, mix_a, g_b, mix_b, SPLIT)
-    tl.store(C + n * H * M64 + hoff, c, mask=hmask)
     acc_a, acc_b, k = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
     last = N
     # -- read sharing: FOLLOW starts from the sums site j+1's gather left for this source over sites j+1..N and reads
@@ -157,6 +159,7 @@ def _gather_bwd(
         acc2_a, acc2_b, k2 = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
     # -- end of read sharing setup
     w_a, w_b, lse = _site(W, LSE, j, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
+    tl.store(CL + n * M64 * 2 * H + toff, tl.join(c, lse), mask=tmask)   # for the gathers of older sources
     site0 = j * (j - 1) // 2   # LG's first row of site j (of site jp in the loop: `site`)
     acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + j, LG, site0 + n, hoff,
                             hmask, M64, H, SPLIT, LOGITS_STORED)
@@ -165,8 +168,9 @@ def _gather_bwd(
                                    site0 + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
     for jp in tl.range(j + 1, last + 1, num_stages=STAGES):   # every later site that reads source n
         g_a, g_b = _load(GB, (jp - 1) * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
-        c = tl.load(C + (jp - 1) * H * M64 + hoff, mask=hmask, other=0.0)
-        w_a, w_b, lse = _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
+        c, lse = tl.split(tl.load(CL + (jp - 1) * M64 * 2 * H + toff, mask=tmask, other=0.0))
+        w_a, w_b = _load(W, (jp - 1) * DM, woff_a, wmask_a, woff_b, wmask_b, SPLIT)
+        w_a, w_b = w_a[None, :, :], w_b[None, :, :]
         site = jp * (jp - 1) // 2
         acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + jp, LG, site + n,
                                 hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
@@ -228,7 +232,7 @@ class GatherChain(RoutingChain):
 
     def _backward_buffers(self, N, M, d, H, f32):
         self.GB = torch.empty(N, M, d, dtype=self.dtype, device=self.S.device)
-        self.MIX, self.C = torch.empty(N, M, d, **f32), torch.empty(N, H, M, **f32)
+        self.MIX, self.CL = torch.empty(N, M, d, **f32), torch.empty(N, M, H, 2, **f32)
         self.DLR = torch.empty(N * (N + 1) // 2, H, M, **f32)
         # dw's product (dw_launch): PDW [splits, P + 1, d] holds every pair's partial terms (row P stays 0), summed
         # once at the end: site jp's pairs are rows SITE_PAIRS[jp-1].
@@ -265,7 +269,7 @@ class GatherChain(RoutingChain):
         bm, warps, stages, shape = self.gather_launch[lead]
         self.launcher.launch(_gather_bwd, ("gather_bwd", lead, self.following), (triton.cdiv(M, bm),), warps,
                              (grad_out, ds), dict(GIN=grad_out, DS=ds, j=j), lambda: dict(
-            S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, LG=self.LG, GB=self.GB, C=self.C, DLR=self.DLR,
+            S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, LG=self.LG, GB=self.GB, CL=self.CL, DLR=self.DLR,
             PACC=self.PACC, PK=self.PK, M=M, N=N, inv_dm=1.0 / d, **shape, BLOCK_M=bm, STAGES=stages, LEAD=lead,
             FOLLOW=self.following, LOGITS_STORED=self.stored_logits))
         self.next_bwd, self.following = j - 1, lead
