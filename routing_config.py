@@ -76,7 +76,8 @@ DEFAULT = RoutingConfig()
 # d 1024, 1,024 tokens, 2.87 against 3.12) and MHAR's entries set it; since dw runs once the gather backward is the
 # faster there too (1.54 against 1.73 ms; 2.43 against 2.87), and no entry sets it. gather_logits (the gathers load the
 # forward's logits): the single head's chains 0.98x / 0.98x / 0.92x / 0.90x at d 512 / 768 / 1024 / 1280, MHAR's
-# 1.00-1.15x (slower), results/gather_backward/logits_ab_h200.txt: so the single-head entries set it.
+# 1.00-1.15x (slower), results/gather_backward/logits_ab_h200.txt, and 1.01-1.10x from a token-major layout
+# (logits_token_major_ab_h200.txt): so the single-head entries set it.
 # With one accumulator in the gathers (routing_gather.py's header) the leading gather's one-warp tile at d 1280 went
 # from among the slowest (13.66 against 11.30 ms, tune_mhar_h200.txt) to the fastest: the 1B chains 9.95 -> 8.76 ms
 # (MHAR), 8.92 -> 7.66 (single head), results/gather_backward/accumulator_tune_h200.txt; at the other widths that

@@ -11,8 +11,14 @@ where c_jp[h] = sum_n alpha da = <G_jp[h], out_jp[h]>, made once at site jp's ow
 its unrounded output (the forward keeps it in fp32: the bf16 output gave 1.1-1.9x the reference's gradient error).
 With RoutingConfig.gather_logits the forward stores each pair's logit and the gathers load it instead: one fp32 load a
 token and head against a dot over the head. A single head's dot spans the whole width, and loading took its chains
-0.98x / 0.98x / 0.92x / 0.90x at d 512 / 768 / 1024 / 1280; MHAR's H logits a token lie in H rows (at one token a
-program, a memory sector each) and cost more than its per-head dots (1.00-1.15x): the single-head entries set it.
+0.98x / 0.98x / 0.92x / 0.90x at d 512 / 768 / 1024 / 1280; for MHAR loading cost more than its per-head dots
+(1.00-1.15x from [P, H, M], 1.01-1.10x from a token-major [P, M, H]: the forward's stores of them, and one more small
+copy a pair; see below): the single-head entries set it.
+Each later pair also needs site jp's c and lse, H values each a token. A program's [BLOCK_M, H] tile of them sits in
+every lane of its warp, so each head's scalar is its own 4-byte cp.async in every lane: 2H copies a pair beside 4-8
+16-byte copies of the gradient, 6-7% of MHAR's chain (ablation on an H200). Site j's gather therefore writes (c_j,
+lse_j) token-major as one pair a head, CL [N, M, H, 2] (tl.join), and the later gathers load a pair with one 8-byte
+copy a head (tl.split): MHAR's chains 0.98x / 0.96x / 0.99x at 100M / 350M / 1B, the single head's 0.99-1.00x.
 ds_n's two sums over sites, sum alpha G_jp and sum dlogit r_n w_jp, share one fp32 accumulator (a second one cost the
 one-warp programs d/32 registers a thread: the H200's launched gathers went 168 -> 128 at d 512 leading and 236 -> 168
 at d 1024 alone; occupancy 12.5% -> 18.75% at d 1024 (ncu); MHAR's chains 0.88-0.99x, the single head's 0.90-0.99x).
@@ -31,8 +37,10 @@ paper's Table 5 shapes (1,024-4,096 tokens) MHAR's was 1.09x at d 512 and d 1024
 kept the site pass there). dw's product once a pass then took the chains 0.85-0.96x (5.17 / 7.27 / 8.28 / 10.17 ms for
 MHAR) and those two below the site pass's (0.89x, 0.85x): every tuned width takes the gather backward. With one
 accumulator (and d 1280's leading gathers on one warp): 4.75 / 7.14 / 7.31 / 8.80 ms for MHAR, 3.97 / 5.96 / 5.74 /
-7.64 for the single head (stored logits), each below MHAR's at its width; the gathers are latency-bound (ncu at d 1024:
-18.75% occupancy, DRAM ~47% busy).
+7.64 for the single head (stored logits), each below MHAR's at its width; with c and lse token-major (and d 768's
+forward on one warp) 4.59 / 6.53-6.59 / 7.09-7.10 / 8.65-8.68 ms for MHAR, 3.95 / 5.79-5.84 / 5.74-5.79 / 7.68 for
+the single head (H200, one process: results/gather_backward/scalars_ab_h200.txt, variants_ab_h200.txt); the
+gathers are latency-bound (ncu at d 1024 before CL: 18.75% occupancy, DRAM ~47% busy).
 """
 import torch
 import triton
