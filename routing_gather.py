@@ -72,11 +72,10 @@ def _load(X, base, off_a, mask_a, off_b, mask_b, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _site(W, LSE, jp, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM: tl.constexpr, H: tl.constexpr,
-          SPLIT: tl.constexpr):
-    """Site jp's w (both parts, [1, BH, part]) and log-sum-exp ([BLOCK_M, BH])."""
+def _site_w(W, jp, woff_a, wmask_a, woff_b, wmask_b, DM: tl.constexpr, SPLIT: tl.constexpr):
+    """Site jp's w, both parts ([1, BH, part])."""
     w_a, w_b = _load(W, (jp - 1) * DM, woff_a, wmask_a, woff_b, wmask_b, SPLIT)
-    return w_a[None, :, :], w_b[None, :, :], tl.load(LSE + (jp - 1) * H * M64 + hoff, mask=hmask, other=0.0)
+    return w_a[None, :, :], w_b[None, :, :]
 
 
 @triton.jit
@@ -166,7 +165,8 @@ def _gather_bwd(
         r2, row2 = tl.load(R + (n - 1) * M64 + rows64, mask=rmask, other=0.0), (n - 1) * N - (n - 1) * (n - 2) // 2 - n
         acc2_a, acc2_b, k2 = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
     # -- end of read sharing setup
-    w_a, w_b, lse = _site(W, LSE, j, woff_a, wmask_a, woff_b, wmask_b, hoff, hmask, M64, DM, H, SPLIT)
+    w_a, w_b = _site_w(W, j, woff_a, wmask_a, woff_b, wmask_b, DM, SPLIT)
+    lse = tl.load(LSE + n * H * M64 + hoff, mask=hmask, other=0.0)   # site j's, from the forward
     tl.store(CL + n * M64 * 2 * H + toff, tl.join(c, lse), mask=tmask)   # for the gathers of older sources
     site0 = j * (j - 1) // 2   # LG's first row of site j (of site jp in the loop: `site`)
     acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + j, LG, site0 + n, hoff,
@@ -177,8 +177,7 @@ def _gather_bwd(
     for jp in tl.range(j + 1, last + 1, num_stages=STAGES):   # every later site that reads source n
         g_a, g_b = _load(GB, (jp - 1) * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
         c, lse = tl.split(tl.load(CL + (jp - 1) * M64 * 2 * H + toff, mask=tmask, other=0.0))
-        w_a, w_b = _load(W, (jp - 1) * DM, woff_a, wmask_a, woff_b, wmask_b, SPLIT)
-        w_a, w_b = w_a[None, :, :], w_b[None, :, :]
+        w_a, w_b = _site_w(W, jp, woff_a, wmask_a, woff_b, wmask_b, DM, SPLIT)
         site = jp * (jp - 1) // 2
         acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + jp, LG, site + n,
                                 hoff, hmask, M64, H, SPLIT, LOGITS_STORED)

@@ -3,7 +3,7 @@
 # stay: H scattered 4-byte loads a token each, [N, H, M]); "no DLR": each pair's dlogit r_n store removed (H scattered
 # 4-byte stores a token, [P, H, M]); both. Against the tree, one process; then GPU time per kernel of the tree's
 # chain with the gathers loading token-major stored logits or not (the files of that variant in DIR, if given).
-#   python results/gather_backward/ablate_small.py [DIR]
+#   python results/gather_backward/ablate_small.py [DIR]   (on 086ce9f: its edits match that routing_gather.py)
 import importlib.util, os, sys
 from dataclasses import replace
 sys.path.insert(0, "."); os.environ.setdefault("PYTHONUNBUFFERED", "1")
