@@ -403,8 +403,8 @@ CHAIN_SHAPES = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), (
                 ("350M-train", 24, 1024, 8, 4, 1024), ("1B-train", 36, 1280, 8, 2, 1024)]
 # every setting DEFAULT and TUNED_H200 ship is a candidate, so a retune can find them again (a test checks it). (A
 # gather of one or two tokens on 2 or 4 warps at d 512 / 768 took the chain 1.10-1.39x when leading: not one.)
-TUNE_CANDIDATES = [(512, 1, 3), (512, 1, 4), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048, 4, 3), (4096, 4, 3),
-                   (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
+TUNE_CANDIDATES = [(512, 1, 3), (512, 1, 4), (1024, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048, 4, 3),
+                   (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
 # gather_bwd, gather_bwd_lead, gather_logits: routing_gather's backward (tuned with it on; gather_logits from
 # LOGIT_CHOICES); "backward": which of the two runs, chosen last (after both backwards' settings) from BACKWARDS on
 # time alone (the gather backward holds ~0.7 GB more at the training microbatches: its fp32 site outputs)

@@ -82,6 +82,10 @@ DEFAULT = RoutingConfig()
 # from among the slowest (13.66 against 11.30 ms, tune_mhar_h200.txt) to the fastest: the 1B chains 9.95 -> 8.76 ms
 # (MHAR), 8.92 -> 7.66 (single head), results/gather_backward/accumulator_tune_h200.txt; at the other widths that
 # retune moved < 1% (within the noise: their tiles kept).
+# MHAR's gathers at d 512 take two tokens a program on one warp (1,024 elements): site w and each later site's c and
+# lse then serve two tokens, 168 / 239 registers alone / leading against 124 / 135: its 100M chain 0.984x (4.59 ->
+# 4.51 ms, errors identical); alone 0.995x, leading 0.990x; at d 768 and 1024 the leading form 1.12x / 1.58x (the
+# register file: 255 and spills at d 1024), the single head at d 512 1.02x (gather_backward/two_tokens_ab_h200.txt).
 # fwd_lead_sites (a leading forward runs the next 2 or 3 sites' softmax; results/forward_sharing/): MHAR's chains
 # 0.98x at d 512 and d 1280 with 2 (in two processes each); d 1024 1.00x with 2, 0.99x with 3: within the noise, kept
 # at 1; at d 768 a one-warp leading tile (DEFAULT's had stood) 0.95-0.96x, 2 sites on it no better; the single head
@@ -95,7 +99,7 @@ DEFAULT = RoutingConfig()
 TUNED_H200 = {
     (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), fwd_lead_sites=2,
                    gather_lead=None, stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16,
-                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
+                   backward="gather", gather_bwd=(1024, 1, 3), gather_bwd_lead=(1024, 1, 3)),
     # the single head: every kernel tuned (site, pairs, gather: the site-pass backward's, used when it is forced)
     (512, 1): dict(fwd=(512, 1, 3), site=(1024, 2, 4), pairs=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3),
                    gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
