@@ -217,7 +217,12 @@ def _dw_terms(DLR, S, PDW, N, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.c
                     mask=(i < J)[:, None] & (ts < M)[None, :], other=0.0)
         y = tl.load(S + n * M64 * DM + ts.to(tl.int64)[:, None] * DM + cols[None, :],
                     mask=(ts < M)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(x, y, acc, input_precision=PRECISION)
+        if PRECISION == "tf32x2":   # 16-bit sources are exact in tf32: two products, x's high and low tf32 parts
+            x_hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+            acc = tl.dot(x - x_hi, y, acc, input_precision="tf32")
+            acc = tl.dot(x_hi, y, acc, input_precision="tf32")
+        else:
+            acc = tl.dot(x, y, acc, input_precision=PRECISION)
     tl.store(PDW + (split * P1 + row0 + i).to(tl.int64)[:, None] * DM + cols[None, :], acc,
              mask=(i < J)[:, None] & cmask[None, :])
 
