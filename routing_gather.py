@@ -39,8 +39,10 @@ MHAR) and those two below the site pass's (0.89x, 0.85x): every tuned width take
 accumulator (and d 1280's leading gathers on one warp): 4.75 / 7.14 / 7.31 / 8.80 ms for MHAR, 3.97 / 5.96 / 5.74 /
 7.64 for the single head (stored logits), each below MHAR's at its width; with c and lse token-major (and d 768's
 forward on one warp) 4.59 / 6.53-6.59 / 7.09-7.10 / 8.65-8.68 ms for MHAR, 3.95 / 5.79-5.84 / 5.74-5.79 / 7.68 for
-the single head (H200, one process: results/gather_backward/scalars_ab_h200.txt, variants_ab_h200.txt); the
-gathers are latency-bound (ncu at d 1024 before CL: 18.75% occupancy, DRAM ~47% busy).
+the single head (H200, one process: results/gather_backward/scalars_ab_h200.txt, variants_ab_h200.txt); then two
+tokens a program at d 512 and dw on two tf32 products (dw_precision): 4.37 / 6.93 / 8.37 ms for MHAR at 100M / 350M /
+1B, 3.81 for the single head at 100M (dw_precision_ab_h200.txt). The gathers are latency-bound (ncu at d 1024 before
+CL: 18.75% occupancy, DRAM ~47% busy).
 """
 import torch
 import triton
@@ -199,8 +201,8 @@ def _dw_terms(DLR, S, PDW, N, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.c
               BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
     """Every pair's terms of dw over one split of the tokens, one launch once every gather is done: the program of
     source n, sites n+1+i for i in its block of BLOCK_J, and a column block of head h writes
-    PDW[split, row0 + i, cols] = sum over the split's tokens t of DLR[row0 + i, h, t] * s_n[t, cols] (fp32 products:
-    PRECISION "ieee", or "tf32x3": three tensor-core products, close to fp32's accuracy)."""
+    PDW[split, row0 + i, cols] = sum over the split's tokens t of DLR[row0 + i, h, t] * s_n[t, cols] (fp32 sums; the
+    products as PRECISION says: dw_precision)."""
     cb, nb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n, jb = nb // tl.cdiv(N, BLOCK_J), nb % tl.cdiv(N, BLOCK_J)
     J, row0 = N - n, n * N - n * (n - 1) // 2   # source n's sites n+1 .. N: pair rows row0 ..
@@ -217,7 +219,7 @@ def _dw_terms(DLR, S, PDW, N, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.c
                     mask=(i < J)[:, None] & (ts < M)[None, :], other=0.0)
         y = tl.load(S + n * M64 * DM + ts.to(tl.int64)[:, None] * DM + cols[None, :],
                     mask=(ts < M)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        if PRECISION == "tf32x2":   # 16-bit sources are exact in tf32: two products, x's high and low tf32 parts
+        if PRECISION == "tf32x2":   # y exact in tf32 (16-bit sources): x = its tf32 bits + the rest, two products
             x_hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
             acc = tl.dot(x - x_hi, y, acc, input_precision="tf32")
             acc = tl.dot(x_hi, y, acc, input_precision="tf32")
@@ -225,6 +227,19 @@ def _dw_terms(DLR, S, PDW, N, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.c
             acc = tl.dot(x, y, acc, input_precision=PRECISION)
     tl.store(PDW + (split * P1 + row0 + i).to(tl.int64)[:, None] * DM + cols[None, :], acc,
              mask=(i < J)[:, None] & cmask[None, :])
+
+
+def dw_precision(dtype, device):
+    """dw's product on tensor cores where they take tf32 (sm_80+), at close to fp32's accuracy: "tf32x2" for 16-bit
+    sources (exact in tf32, so x's high and low tf32 parts against them: two products), "tf32x3" for fp32 sources (three:
+    the sources' low parts too), else "ieee" FMAs. On an H200 at the training microbatches tf32x3 took dw's kernel
+    0.15-0.3 ms below IEEE FMAs, and tf32x2 0.36 -> 0.22 ms (100M), 0.48 -> 0.29 (350M), 0.70 -> 0.41 (1B) below
+    tf32x3, errors equal to 3-4 digits (BENCHMARKS.md): the product's time is its tensor-core instructions (~13 of a
+    block's 32 rows are real at 100M)."""
+    device = torch.device(device)
+    if device.type != "cuda" or INTERPRET or torch.cuda.get_device_capability(device) < (8, 0):
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32x2"
 
 
 def dw_launch(N, M, H, D):
@@ -250,10 +265,7 @@ class GatherChain(RoutingChain):
         # once at the end: site jp's pairs are rows SITE_PAIRS[jp-1].
         P = N * (N + 1) // 2
         self.dw_launch = dw_launch(N, M, H, self.D)
-        # tf32x3 where tensor cores take tf32 (sm_80+): dw's product 0.15-0.3 ms faster than IEEE FMAs at the training
-        # microbatches on an H200, the fp32 check's errors unchanged to three digits (BENCHMARKS.md)
-        tc = self.S.is_cuda and not INTERPRET and torch.cuda.get_device_capability(self.S.device) >= (8, 0)
-        self.dw_precision = "tf32x3" if tc else "ieee"
+        self.dw_precision = dw_precision(self.dtype, self.S.device)
         self.PDW = torch.zeros(self.dw_launch[3], P + 1, d, **f32)
         rows = [[n * N - n * (n - 1) // 2 + jp - n - 1 for n in range(jp)] + [P] * (N - jp) for jp in range(1, N + 1)]
         self.SITE_PAIRS = torch.tensor(rows, device=self.S.device)

@@ -883,6 +883,36 @@ def test_fused_gather_backward_dw_programs(dtype):
     check_fused_chain(3, 1, 1030, 32, 2, dtype, GATHER)
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x2"])
+def test_fused_gather_backward_dw_product_precision(precision):
+    """dw's product (_dw_terms) against a float64 one at fp32's accuracy, every pair of 4 sources, tokens in several
+    splits: "tf32x2" (what 16-bit sources get on tensor cores: dw_precision) splits the fp32 dlogit r_n into its tf32
+    bits and the rest; without the rest it would be off by ~2^-11."""
+    import triton
+    import routing_gather as rg
+    if precision == "tf32x2" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("tf32 products need sm_80+")
+    assert rg.dw_precision(torch.bfloat16, "cpu") == "ieee"
+    if DEVICE == "cuda" and not rk.INTERPRET and torch.cuda.get_device_capability() >= (8, 0):
+        assert [rg.dw_precision(x, DEVICE) for x in (torch.bfloat16, torch.float16, torch.float32)] == \
+            ["tf32x2", "tf32x2", "tf32x3"]
+    N, M, H, D = 4, 1100, 2, 16
+    d, P = H * D, N * (N + 1) // 2
+    g = torch.Generator().manual_seed(0)
+    dlr = (torch.randn(P, H, M, generator=g) * torch.logspace(-3, 3, M)).to(DEVICE)   # magnitudes over 6 decades
+    s = torch.randn(N, M, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    bj, bt, bc, splits, warps = rg.dw_launch(N, M, H, D)
+    pdw = torch.zeros(splits, P + 1, d, device=DEVICE)
+    per_split = triton.cdiv(triton.cdiv(M, splits), bt) * bt
+    rg._dw_terms[(H * triton.cdiv(D, bc), N * triton.cdiv(N, bj), splits)](
+        dlr, s, pdw, N, M, per_split, P + 1, DM=d, H=H, D=D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc, PRECISION=precision,
+        num_warps=warps)
+    got = pdw.sum(0)[:P].double().cpu()
+    want = torch.einsum("phm,phmc->phc", dlr.double().cpu(), torch.stack([s[n].double().cpu().view(M, H, D).transpose(0, 1)
+                        for n in range(N) for _ in range(N - n)]))   # pair rows source-major: (n, sites n+1..N)
+    assert splits > 1 and rel_err(got, want.reshape(P, d)) < 4e-6, rel_err(got, want.reshape(P, d))
+
+
 @pytest.mark.parametrize("least", [1, 3])   # 1: every other site leads; 3: some lead, some run alone
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gather_backward_shared_reads(least, dtype):
