@@ -274,6 +274,16 @@ class DepthHistory:
         return self.route_site(self.sites[len(self.sources) - 1], torch.stack(self.sources))   # stacked: (j, B, T, d)
 
 
+def fused_router(n_sites, heads, eps, config=None, blocks=None):
+    """The fused routing of a model: full routing's chain (routing_kernel.py), or with blocks = n block routing's
+    (routing_block.py). Chosen here, above the routing files, which import nothing above them."""
+    from routing_kernel import FusedRouter
+    if not blocks:
+        return FusedRouter(n_sites, heads, eps, config)
+    from routing_block import BlockChain
+    return FusedRouter(n_sites, heads, eps, config, functools.partial(BlockChain, blocks=blocks))
+
+
 class FusedDepthHistory:
     """The same operation on routing_kernel.py's chain: one [N, B*T, d] buffer holds every source once, each site's
     kernels read it in place, and the backward gathers each source's gradient once."""
@@ -387,8 +397,8 @@ class GPT(nn.Module):
         self._route = route_reference        # the reference routing (compiled by compile_sublayers)
         self._head = self._head_impl
         self._paths = {}                     # (device type, dtype) -> "fused" | "reference": routing_path
-        self._router = None                  # routing_kernel.FusedRouter, made on the first fused forward
-        self.routing_config = None           # routing_kernel.RoutingConfig for the fused kernels (None: config_for)
+        self._router = None                  # routing_kernel.FusedRouter (fused_router), made on the first fused forward
+        self.routing_config = None           # routing_config.RoutingConfig of the fused kernels (None: config_for)
         self.routing_observer = None         # called as (site, stacked sources) at every reference-routed site
         self.checkpoint_sublayers = False    # activation checkpointing of every sublayer (never of routing)
         self.z_loss = 0.0                    # logit z-loss coefficient added to the training loss
@@ -490,11 +500,10 @@ class GPT(nn.Module):
         route_blocks, the block chain), else the reference list (with route_blocks, a BlockDepthHistory)."""
         sites = self.routing_sites()
         fused = routing is None and self.routing_path(x.device, x.dtype) == "fused"
-        if fused:   # block routing too (route_blocks: FusedRouter's BlockChain, routing_block.py)
+        if fused:   # block routing too (route_blocks: routing_block.py's chain)
             if self._router is None:
-                from routing_kernel import FusedRouter
-                self._router = FusedRouter(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps, self.routing_config,
-                                           self.cfg.route_blocks)
+                self._router = fused_router(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps, self.routing_config,
+                                            self.cfg.route_blocks)
             return FusedDepthHistory(self._router, sites, x)
         if self.cfg.route_blocks:
             return BlockDepthHistory(sites, 2 * self.cfg.n_layer // self.cfg.route_blocks,
@@ -556,6 +565,7 @@ class GPT(nn.Module):
         if impl == "reference" or self.cfg.residual not in ("attnres", "mhar", "delta"):
             return "reference"
         if key not in self._paths:
+            import routing_config
             import routing_kernel
             why = None
             if routing_kernel.triton is None:
@@ -565,7 +575,7 @@ class GPT(nn.Module):
                     (", or TRITON_INTERPRET=1 on a CPU)" if impl == "fused" else ")")
             elif impl == "auto":
                 try:
-                    routing_kernel.check_envelope(self.cfg.n_embd, self.cfg.heads, dtype)
+                    routing_config.check_envelope(self.cfg.n_embd, self.cfg.heads, dtype)
                 except ValueError as e:
                     why = str(e).removeprefix("fused routing: ").split("; use")[0]
             self._paths[key] = "reference" if why else "fused"

@@ -14,9 +14,9 @@ and every partial sum of block b from i on (each is o_i plus other terms).
 
 One launch per site each way. A site's sources are few (5.4 on average at n = 8) and so are its tokens (2-16 K at
 the training microbatches), so a site costs what its launches cost: on rung 1's kernels a site takes ~11 (an add with
-the RMS factors, the forward, the site pass, the source pass, dw's sum and casts, a copy of the returned gradient),
-~100 us at 1B on an H200. Here a program owns a token block over the whole width, every head, so one program has all
-that a token's terms need (the RMS factor's sum over d, K's sum over heads):
+the RMS factors, the forward, the site pass, the source pass, dw's sum and casts, a copy of the returned gradient).
+Here a program owns a token block over the whole width, every head, so one program has all that a token's terms need
+(the RMS factor's sum over d, K's sum over heads):
 - _block_fwd: the newest source (the open block's sum so far plus the sublayer output) made, stored with its RMS
   factor, and routed in the same launch, last in the online softmax, from registers.
 - _block_bwd: two loops over the site's sources, c = sum_n alpha da first, then each source's gradient added to its
@@ -25,24 +25,20 @@ that a token's terms need (the RMS factor's sum over d, K's sum over heads):
   site 1 from all sites' partials (one sum), when start() was given the queries and gains; else at each site.
 Bytes per site (bf16, units of M d 2 bytes, c sources): forward c + 1 read (the older sources, the sublayer output,
 the previous sum) and 2 written; backward 3c + 2 from HBM (c + G read; dB read and written; the newest's gradient)
-and c from L2. Measured on an H200 (BENCHMARKS.md): block MHAR at n = 8 runs at 0.957x / 0.960x / 0.965x of the
-baseline at 100M / 350M / 1B (on rung 1's kernels: 0.928x / 0.926x / 0.905x, each against its own process's); the
-chain alone, same process, both on the default settings then: 0.69x rung 1's time at 1B, 1.2x at 350M, 1.6x at 100M. The
-backward's time moves up to 2x with its tile and again with its programs per multiprocessor (block_waves): the tuned
-settings (routing_config) are one-warp programs, 8-16 a multiprocessor, at most widths; their dw partials (PART, fp32,
-sites x programs x d) are then ~0.4 GB at 1B.
+and c from L2. The backward's time moves with its tile and again with its programs per multiprocessor
+(block_waves), so each width has its own (routing_config); its dw partials (PART, fp32, sites x programs x d) grow
+with the programs. Measured: BENCHMARKS.md.
 """
 import torch
 
 from routing_config import Launcher, _block_m, _split, announce, check_envelope, config_for
-from routing_kernel import DIRECT_OK, RoutingChain, triton
+from routing_kernel import DIRECT_OK, RoutingChain, triton   # the chain's contract: site order, checks, route()
 
 if triton is not None:
     import triton.language as tl
 
-    from routing_call import _rounded, _softmax_update
-    from routing_gather import _load, _part, _zeros   # a [BLOCK_M, heads, columns] tile in one or two column parts
-    from routing_kernel import _dot2
+    # a [BLOCK_M, heads, columns] tile in one or two column parts, as the chain's gathers hold it
+    from routing_call import _dot2, _heads_part, _load, _rounded, _softmax_update, _zeros
 
     @triton.jit
     def _tiles(t, M, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, D_A: tl.constexpr,
@@ -51,10 +47,10 @@ if triton is not None:
         [H, M] matrix and their mask."""
         rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask, rows64 = rows < M, rows.to(tl.int64)
-        off_a, mask_a, _, _ = _part(rows64, rmask, 0, D_A, DM, H, D, BH)
+        off_a, mask_a, _, _ = _heads_part(rows64, rmask, 0, D_A, DM, H, D, BH)
         off_b, mask_b = off_a, mask_a
         if BLOCK_B > 0:
-            off_b, mask_b, _, _ = _part(rows64, rmask, D_A, BLOCK_B, DM, H, D, BH)
+            off_b, mask_b, _, _ = _heads_part(rows64, rmask, D_A, BLOCK_B, DM, H, D, BH)
         heads = tl.arange(0, BH)
         hoff, hmask = (heads * M).to(tl.int64)[None, :] + rows64[:, None], rmask[:, None] & (heads < H)[None, :]
         return rows64, rmask, off_a, mask_a, off_b, mask_b, hoff, hmask
@@ -64,10 +60,10 @@ if triton is not None:
                BLOCK_B: tl.constexpr):
         """w = q * g per head, both column parts ([1, BH, part], fp32); and the parts' offsets and masks in a row."""
         rows0 = tl.zeros((1,), tl.int64)
-        _, _, woff_a, wmask_a = _part(rows0, rows0 == 0, 0, D_A, DM, H, D, BH)
+        _, _, woff_a, wmask_a = _heads_part(rows0, rows0 == 0, 0, D_A, DM, H, D, BH)
         woff_b, wmask_b = woff_a, wmask_a
         if BLOCK_B > 0:
-            _, _, woff_b, wmask_b = _part(rows0, rows0 == 0, D_A, BLOCK_B, DM, H, D, BH)
+            _, _, woff_b, wmask_b = _heads_part(rows0, rows0 == 0, D_A, BLOCK_B, DM, H, D, BH)
         q_a, q_b = _load(Q, 0, woff_a, wmask_a, woff_b, wmask_b, BLOCK_B > 0)
         g_a, g_b = _load(G, 0, woff_a, wmask_a, woff_b, wmask_b, BLOCK_B > 0)
         return (q_a * g_a)[None, :, :], (q_b * g_b)[None, :, :], woff_a, wmask_a, woff_b, wmask_b
@@ -191,7 +187,7 @@ if triton is not None:
 
 class BlockChain(RoutingChain):
     """Block routing's buffers and bookkeeping for one pass, under RoutingChain's contract (sites run forward 1..N in
-    order and backward in exact reverse order, once) and with its checks; FusedRouter(blocks=n) makes it."""
+    order and backward in exact reverse order, once) and with its checks; model.fused_router(blocks=n) makes it."""
 
     def __init__(self, n_sites, tokens, d, heads, eps, dtype, device, training, config=None, blocks=1):
         if type(blocks) is not int or blocks < 1 or (n_sites - 1) % blocks:

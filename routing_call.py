@@ -3,8 +3,8 @@ Rung 1 of the fused routing (arXiv 2607.27230: Eq. 2-3, Appendix E): one statele
 algorithm in its plainest fused form, read after model.route_reference. A forward online softmax (_call_fwd), a
 backward site pass (_call_bwd_site: c, dw, each source's da and logit) and a source pass (_call_bwd_sources: each ds);
 entry route_stack (autograd, stacked sources: delta mode) over call_forward / call_backward (the launches). The
-helpers here (tiles, one source's load, the softmax step) also serve rung 2, the chain of a whole pass
-(routing_kernel.py).
+Triton helpers here (tiles of one head or of every head, a source's load, the softmax step) also serve the chains of a
+whole pass (routing_kernel.py, routing_block.py), which import them from here: the lowest kernel file.
 
 Math. Site j = 1..N (N = 2L+1) mixes the sources s_0..s_{j-1} (s_0 the embedding, s_n the raw output of sublayer n):
     r_n = (mean_k s_n[k]^2 + eps)^(-1/2) (RMS over the FULL width d),  w = q * g (the key gain folded into the query)
@@ -33,7 +33,7 @@ from routing_config import _block_m, announce, check_envelope, config_for
 
 # ---- rung 1: one stateless routing call over stacked sources (the algorithm) -----------------------------------------
 
-if triton is not None:   # the helpers both rungs use, then rung 1's kernels
+if triton is not None:   # the helpers every kernel file uses, then rung 1's kernels
     @triton.jit
     def _rounded(x, dtype: tl.constexpr):
         """x (fp32) in dtype, rounded to nearest even (the GPU's bf16 cast; the CPU interpreter would truncate)."""
@@ -76,6 +76,43 @@ if triton is not None:   # the helpers both rungs use, then rung 1's kernels
         m_new = tl.maximum(m_i, logit)
         scale, p = tl.exp(m_i - m_new), tl.exp(logit - m_new)
         return m_new, l_i * scale + p, scale, p
+
+    @triton.jit
+    def _dot2(x_a, y_a, x_b, y_b, SPLIT: tl.constexpr):
+        """Sums of x * y over both column parts' last axis, fp32: [BLOCK_M], or [BLOCK_M, heads] for 3D tiles. A head
+        is held as up to two power-of-two column parts (routing_config._split); without SPLIT (a constexpr) part b's
+        variables hold unused placeholders."""
+        out = tl.sum(x_a * y_a, axis=-1)
+        if SPLIT:
+            out += tl.sum(x_b * y_b, axis=-1)
+        return out
+
+    @triton.jit
+    def _heads_part(rows64, rmask, C0: tl.constexpr, BW: tl.constexpr, DM: tl.constexpr, H: tl.constexpr,
+                    D: tl.constexpr, BH: tl.constexpr):
+        """Columns [C0, C0 + BW) of every head (masked to D): offsets and mask of a [BLOCK_M, BH, BW] tile of an [M, DM]
+        matrix, and of the [BH, BW] tile of a row of W (the chains' whole-width programs)."""
+        heads, cols = tl.arange(0, BH), C0 + tl.arange(0, BW)
+        woff, wmask = (heads * D)[:, None] + cols[None, :], (heads < H)[:, None] & (cols < D)[None, :]
+        return rows64[:, None, None] * DM + woff[None, :, :], rmask[:, None, None] & wmask[None, :, :], woff, wmask
+
+    @triton.jit
+    def _load(X, base, off_a, mask_a, off_b, mask_b, SPLIT: tl.constexpr):
+        """Both column parts of a tile at X + base, in fp32 (part b = part a when not SPLIT)."""
+        x_a = tl.load(X + base + off_a, mask=mask_a, other=0.0).to(tl.float32)
+        x_b = x_a
+        if SPLIT:
+            x_b = tl.load(X + base + off_b, mask=mask_b, other=0.0).to(tl.float32)
+        return x_a, x_b
+
+    @triton.jit
+    def _zeros(BLOCK_M: tl.constexpr, BH: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT: tl.constexpr):
+        """A zero [BLOCK_M, BH, part] accumulator per column part (part b's = part a's when not SPLIT), a zero a token."""
+        a = tl.zeros((BLOCK_M, BH, D_A), tl.float32)
+        b = a
+        if SPLIT:
+            b = tl.zeros((BLOCK_M, BH, BLOCK_B), tl.float32)
+        return a, b, tl.zeros((BLOCK_M,), tl.float32)
 
     # Sources: an optional null vector (broadcast over tokens; delta mode) as row 0 of DA / LG, then N of HIST [., M, d]
     # with RMS factors R [., M]. A program owns a (token block, head): a [BLOCK_M, BLOCK_D] tile, D padded to 2^k.

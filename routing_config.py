@@ -1,8 +1,9 @@
 """
-Launch settings of routing_kernel.py's kernels: per kernel, the register tile, warps and pipelining depth; which sites
-share reads (lead_schedule); the entries tuned per width on an H200; the envelope the kernels take; and the launch
-itself (Launcher: Triton's path once per kernel, then its compiled launcher directly). Kept apart so that tuning a
-width (`python bench.py routing --tune-train`) edits a table, never a kernel.
+Launch settings of the fused routing kernels (routing_call.py, routing_kernel.py, routing_block.py): per kernel the
+register tile, warps and pipelining depth; which sites share reads (lead_schedule); the entries tuned per width on an
+H200; the envelope the kernels take; and the launch itself (Launcher: Triton's path once per kernel, then its
+compiled launcher directly). Kept apart so that tuning a width (`python bench.py routing --tune-train`) edits a table,
+never a kernel. The lowest of the routing files: it imports none of them.
 """
 import functools
 import os
@@ -18,109 +19,56 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # Triton's CPU inte
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """How the kernels launch; per kernel (register-tile elements, warps, pipelining depth of the loop over sources)."""
+    """How the kernels launch. A kernel's setting is (register-tile elements, warps, pipelining depth of its loop)."""
     name: str = "default"
-    fwd: tuple = (4096, 4, 4)                 # _chain_fwd
-    site: tuple = (16384, 8, 3)               # _chain_bwd_site
-    pairs: tuple = (1024, 2, 3)               # the pair pass in _chain_bwd_gather: its tile (warps, stages: the gather's)
-    gather: tuple = (1024, 2, 3)              # _chain_bwd_gather
-    fwd_lead: tuple | None = (4096, 4, 4)     # a forward that also runs the next sites' softmax; None: none leads
-    fwd_lead_sites: int = 1       # how many later sites a leading forward runs (1-3): each reads only the sources since
-    gather_lead: tuple | None = (1024, 2, 3)  # a gather that also sums the previous source's terms; None: none leads
-    lead_min: int = 6             # a site leads if it reads >= this many tiles per token (its state: ~4 sources' bytes)
-    stored_logits: bool = False   # the forward stores each pair's logit and the site pass loads it
-    reducers: int = 16            # gather programs per head in the first level of the dw sum (1: one level, no ticket)
-    split: tuple = ("fwd", "site")   # kernels that hold a head as two column parts (the gather ran 10% slower split)
-    call_fwd: tuple = (4096, 4, 4)   # the per-call kernels, measured at the 8B delta shape (d 4096, H 8, 2 x 4096
-    call_site: tuple = (8192, 8, 3)  # tokens): a site tile of 16384 made its 64 calls 72.2 ms instead of 65.7
+    fwd: tuple = (4096, 4, 4)             # _chain_fwd: a program owns a token block of one head
+    fwd_lead: tuple | None = (4096, 4, 4)  # a forward that also runs the next sites' softmax; None: none leads
+    fwd_lead_sites: int = 1               # how many later sites a leading forward runs (1 or 2)
+    gather: tuple = (1024, 4, 3)          # _gather_bwd: a program owns a token block over every head (1,024 elements on
+    gather_lead: tuple | None = (1024, 4, 3)   # 4 warps spill at no training width); lead: also sums the previous
+                                          # source's terms; None: no gather leads
+    lead_min: int = 6            # a site leads if it reads >= this many tiles per token (its state: ~4 sources' bytes)
+    stored_logits: bool = False  # the forward stores each pair's logit and the gathers load it instead of a dot
+    call_fwd: tuple = (4096, 4, 4)     # rung 1's per-call kernels (routing_call.py), tuned at the 8B delta shape
+    call_site: tuple = (8192, 8, 3)
     call_sources: tuple = (1024, 2, 3)
     # block routing's (routing_block.py): a program holds a token block over every head; the backward's programs are
-    # persistent, block_waves per streaming multiprocessor (each sums its dw terms in registers: one partial a program).
-    # One-warp programs, 8 a multiprocessor: the best geometric mean on the H200 where every pair of the backward's
-    # settings was timed (1B and 350M MHAR, 350M single head: 3.96 ms against 5.31 for 4,096 elements on 4 warps x 2)
+    # persistent, block_waves per streaming multiprocessor (each sums its dw terms in registers: one partial a program)
     block_fwd: tuple = (512, 1, 3)
     block_bwd: tuple = (512, 1, 3)
     block_waves: int = 8
     max_block_m: int = 256 if INTERPRET else 64   # tokens per program at most (the interpreter: few, big programs)
     direct: bool = True   # the chain calls its compiled kernels' launchers directly (Launcher, below)
-    backward: str = "site"   # "gather": routing_gather.GatherChain's backward, no site pass (its queries need start's)
-    gather_min_tokens: int = 0   # backward="gather" from this many tokens a pass (B x T); fewer: the site pass's
-    gather_logits: bool = False   # the forward stores each pair's logit and routing_gather's gathers load it
-    # routing_gather's gather and its leading form: the tile holds a token's every head (ptxas for sm_90: 1024 elements
-    # on 4 warps keep every training width at 48-165 registers without spills; the site design's 4096-element gather
-    # tile spilled here at d 1024)
-    gather_bwd: tuple = (1024, 4, 3)
-    gather_bwd_lead: tuple | None = (1024, 4, 3)   # None: no gather leads
 
     def __post_init__(self):
-        if self.fwd_lead_sites not in (1, 2, 3):
-            raise ValueError(f"RoutingConfig: fwd_lead_sites={self.fwd_lead_sites}; a leading forward runs 1, 2 or 3 "
-                             "later sites")
+        if self.fwd_lead_sites not in (1, 2):
+            raise ValueError(f"RoutingConfig: fwd_lead_sites={self.fwd_lead_sites}; a leading forward runs 1 or 2 later "
+                             "sites")
 
 
 DEFAULT = RoutingConfig()
-# Per width (d, H), tuned on one H200 at the paper's training microbatches (Table 1) by `bench.py routing --tune-train`
-# and A/B runs (BENCHMARKS.md). At 1B (heads of 128 + 32 columns) stored logits cost the kernels 16% / 8% (registers)
-# and the two-level dw sum 0.8%; at 100M the paired gather was no faster (5.85 ms either way). The backward without
-# the site pass (backward="gather", results/gather_backward/ab.py: both backwards in one process) is chosen where it
-# was faster in the chain and in the step: the single head at d 512 (chain 0.70x; step 0.84x -> 0.90x of the
-# baseline's tokens/s) and d 1024 (0.62x; 0.75x -> 0.84x), MHAR at 1B (0.92x; 0.80x -> 0.82x), for ~0.7 GB more
-# memory (its fp32 site outputs). Elsewhere it was within 4% or slower (d 768: 1.08-1.14x, on DEFAULT's settings).
-# The single head's every kernel then tuned at its training microbatch (results/gather_backward/tune_h1_full_h200.txt):
-# one-warp gather tiles took the chain 6.54 -> 4.46 ms at d 512, 10.30 -> 6.57 at d 768, 9.82 -> 6.87 at d 1024 (gather
-# backward), 15.10 -> 11.53 at d 1280 (site backward). MHAR's gather backward then tuned the same way (one process,
-# results/gather_backward/tune_mhar_h200.txt): 5.89 -> 5.51 ms at d 512 (site -> gather), 10.17 -> 7.58 at d 768,
-# 9.45 -> 8.86 at d 1024, 13.5 -> 11.30 at d 1280 (its leading gather); then dw's product in one launch a pass took
-# every gather-backward chain 0.85-0.96x (the single head's d 1280 then too). gather_min_tokens: while dw ran per site,
-# the site backward was faster at the paper's Table 5 shapes (fewer tokens: d 512, 4,096 tokens, 1.72 against 1.87 ms;
-# d 1024, 1,024 tokens, 2.87 against 3.12) and MHAR's entries set it; since dw runs once the gather backward is the
-# faster there too (1.54 against 1.73 ms; 2.43 against 2.87), and no entry sets it. gather_logits (the gathers load the
-# forward's logits): the single head's chains 0.98x / 0.98x / 0.92x / 0.90x at d 512 / 768 / 1024 / 1280, MHAR's
-# 1.00-1.15x (slower), results/gather_backward/logits_ab_h200.txt, and 1.01-1.10x from a token-major layout
-# (logits_token_major_ab_h200.txt): so the single-head entries set it.
-# With one accumulator in the gathers (routing_gather.py's header) the leading gather's one-warp tile at d 1280 went
-# from among the slowest (13.66 against 11.30 ms, tune_mhar_h200.txt) to the fastest: the 1B chains 9.95 -> 8.76 ms
-# (MHAR), 8.92 -> 7.66 (single head), results/gather_backward/accumulator_tune_h200.txt; at the other widths that
-# retune moved < 1% (within the noise: their tiles kept).
-# MHAR's gathers at d 512 take two tokens a program on one warp (1,024 elements): site w and each later site's c and
-# lse then serve two tokens, 168 / 239 registers alone / leading against 124 / 135: its 100M chain 0.984x (4.59 ->
-# 4.51 ms, errors identical); alone 0.995x, leading 0.990x; at d 768 and 1024 the leading form 1.12x / 1.58x (the
-# register file: 255 and spills at d 1024), the single head at d 512 1.02x (gather_backward/two_tokens_ab_h200.txt).
-# fwd_lead_sites (a leading forward runs the next 2 or 3 sites' softmax; results/forward_sharing/): MHAR's chains
-# 0.98x at d 512 and d 1280 with 2 (in two processes each); d 1024 1.00x with 2, 0.99x with 3: within the noise, kept
-# at 1; at d 768 a one-warp leading tile (DEFAULT's had stood) 0.95-0.96x, 2 sites on it no better; the single head
-# none (0.99-1.06x, and 1.26x / 4.4x at d 1280, whose leading tile is 16,384 elements). d 768's other forwards on a
-# one-warp 512-element tile (DEFAULT's 4,096-element, 4-warp tile held 255 registers and spilled): its MHAR chain
-# 0.96x (6.68-6.89 against 6.97-7.09 ms, three rounds; results/gather_backward/fwd768_ab_h200.txt). Register caps
-# (Triton's maxnreg) on the forwards and the gathers paid nowhere beyond 1% (maxnreg_ab_h200.txt): none ships.
-# block_fwd, block_bwd, block_waves: block routing's (n = 8), tuned the same way (`bench.py routing --blocks=8
-# --tune-train`, which searches block_bwd x block_waves together: one at a time left 1B MHAR at 4.70 ms, the product
-# found 3.91); the backward's time moved up to 2x between tiles and again between wave counts: each width has its own.
+# Per width (d, H), tuned on one H200 at the paper's training microbatches (Table 1): regenerate an entry with
+# `python bench.py routing --tune-train --shapes=NAME` (--heads=1 for the single head, --blocks=8 for block_*).
+# Why they differ (BENCHMARKS.md has the numbers): one-warp gather tiles keep a program's registers low enough for
+# several programs a multiprocessor; the single head loads stored logits (its dot spans the whole width, MHAR's one
+# head); two led sites pay only where the forward is short of bandwidth (d 512, d 1280).
 TUNED_H200 = {
-    (512, 4): dict(fwd=(1024, 2, 4), site=(512, 1, 3), gather=(1024, 2, 4), fwd_lead=(1024, 2, 3), fwd_lead_sites=2,
-                   gather_lead=None, stored_logits=True, block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16,
-                   backward="gather", gather_bwd=(1024, 1, 3), gather_bwd_lead=(1024, 1, 3)),
-    # the single head: every kernel tuned (site, pairs, gather: the site-pass backward's, used when it is forced)
-    (512, 1): dict(fwd=(512, 1, 3), site=(1024, 2, 4), pairs=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3),
-                   gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
-                   gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3), block_waves=16),
-    (768, 4): dict(fwd=(512, 1, 3), fwd_lead=(512, 1, 4), block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4,
-                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
-    (768, 1): dict(fwd=(512, 1, 3), gather=(4096, 4, 3), fwd_lead=(512, 1, 3), gather_lead=(512, 1, 3),
-                   backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3), gather_logits=True),
-    (1024, 8): dict(fwd=(1024, 2, 3), site=(512, 1, 3), gather=(4096, 4, 4), fwd_lead=(512, 1, 3),
-                    gather_lead=(4096, 4, 4), stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3),
-                    block_waves=8, backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3)),
-    (1024, 1): dict(fwd=(2048, 4, 3), site=(4096, 4, 4), pairs=(8192, 8, 3), gather=(8192, 8, 4), fwd_lead=(512, 1, 3),
-                    gather_lead=(4096, 4, 4), backward="gather", gather_bwd=(512, 1, 3), gather_bwd_lead=(512, 1, 3),
-                    gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
-    (1280, 8): dict(site=(4096, 4, 4), fwd_lead=(512, 1, 3), fwd_lead_sites=2, gather_lead=(1024, 2, 4), reducers=1,
-                    backward="gather", gather_bwd=(1024, 2, 4), gather_bwd_lead=(512, 1, 3), block_fwd=(512, 1, 3),
-                    block_bwd=(512, 1, 3), block_waves=8),
-    # the gather backward since dw's product runs once a pass: 11.03 ms against the site backward's 11.50 (was 12.14)
-    (1280, 1): dict(fwd=(512, 1, 3), site=(512, 1, 3), pairs=(4096, 4, 3), gather=(16384, 8, 3), fwd_lead=(16384, 8, 3),
-                    gather_lead=(512, 1, 3), backward="gather", gather_bwd=(1024, 2, 4), gather_bwd_lead=(512, 1, 3),
-                    gather_logits=True, block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
+    (512, 4): dict(fwd=(1024, 2, 4), fwd_lead=(1024, 2, 3), fwd_lead_sites=2, gather=(1024, 1, 3),
+                   gather_lead=(1024, 1, 3), block_fwd=(1024, 2, 4), block_bwd=(512, 1, 3), block_waves=16),
+    (512, 1): dict(fwd=(512, 1, 3), fwd_lead=(512, 1, 3), gather=(512, 1, 3), gather_lead=(512, 1, 3),
+                   stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3), block_waves=16),
+    (768, 4): dict(fwd=(512, 1, 3), fwd_lead=(512, 1, 4), gather=(512, 1, 3), gather_lead=(512, 1, 3),
+                   block_fwd=(512, 1, 3), block_bwd=(2048, 4, 3), block_waves=4),
+    (768, 1): dict(fwd=(512, 1, 3), fwd_lead=(512, 1, 3), gather=(512, 1, 3), gather_lead=(512, 1, 3),
+                   stored_logits=True),
+    (1024, 8): dict(fwd=(1024, 2, 3), fwd_lead=(512, 1, 3), gather=(512, 1, 3), gather_lead=(512, 1, 3),
+                    block_fwd=(512, 1, 3), block_bwd=(1024, 2, 3), block_waves=8),
+    (1024, 1): dict(fwd=(2048, 4, 3), fwd_lead=(512, 1, 3), gather=(512, 1, 3), gather_lead=(512, 1, 3),
+                    stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
+    (1280, 8): dict(fwd_lead=(512, 1, 3), fwd_lead_sites=2, gather=(1024, 2, 4), gather_lead=(512, 1, 3),
+                    block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
+    (1280, 1): dict(fwd=(512, 1, 3), fwd_lead=(16384, 8, 3), gather=(1024, 2, 4), gather_lead=(512, 1, 3),
+                    stored_logits=True, block_fwd=(512, 1, 3), block_bwd=(512, 1, 3), block_waves=8),
 }
 
 
@@ -147,14 +95,14 @@ def _block_m(tile, width, config):
     return min(config.max_block_m, 1 << max(0, (tile // width).bit_length() - 1))
 
 
-def _split(D, split=True):
+def _split(D):
     """(D_A, BLOCK_B, lanes) of a head of width D held as two power-of-two column parts, a = [0, D_A) and b = [D_A, D_A +
-    BLOCK_B) masked to D: split, 160 = 128 + 32, where one tile would pad to 256 (37.5% of the registers idle); else
-    D_A = D padded to 2^k, BLOCK_B = 0 (the kernels' launch geometry: only called where Triton is)."""
+    BLOCK_B) masked to D: 160 = 128 + 32, where one tile would pad to 256 (37.5% of the registers idle); a power of two
+    is one part (BLOCK_B = 0). Only called where Triton is."""
     from triton import next_power_of_2
     p = 1 << (D.bit_length() - 1)
-    if p == D or not split:
-        return next_power_of_2(D), 0, next_power_of_2(D)
+    if p == D:
+        return D, 0, D
     b = next_power_of_2(D - p)
     return p, b, p + b
 
@@ -176,6 +124,48 @@ def lead_schedule(N, lead_min, fwd_sites=1):
     return (frozenset(j for j in range(N - fwd_sites, 0, -fwd_sites - 1) if j >= lead_min),   # site j reads j sources
             frozenset(j for j in range(2, N + 1, 2) if N - j + 1 >= lead_min))  # gather j reads N - j + 1 gradients
 
+
+
+# ---- the tuner that writes TUNED_H200 (bench.py routing --tune-train) -------------------------------------------------
+
+TUNABLE = ("fwd", "fwd_lead", "fwd_lead_sites", "gather", "gather_lead", "stored_logits")   # the chain's settings
+BLOCK_TUNABLE = ("block_fwd", "block_bwd", "block_waves")   # block routing's (--blocks)
+# every setting DEFAULT and TUNED_H200 ship is a candidate, so a retune can find them again (a test checks it)
+CANDIDATES = [(512, 1, 3), (512, 1, 4), (1024, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048, 4, 3),
+              (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
+CHOICES = {"fwd_lead_sites": (1, 2), "stored_logits": (False, True),
+           "block_waves": (1, 2, 4, 8, 16, 32)}   # programs a multiprocessor: up to 32, for one-warp programs
+
+
+def tune(kernels, shapes, time_fn, candidates=CANDIDATES):
+    """Coordinate descent, from config_for(d, H), over each setting in `kernels` at each shape (name, L, d, H, B, T),
+    each candidate timed by time_fn(config, L, d, H, B, T) -> ms; _lead settings may also pick None (no sharing);
+    block_bwd and block_waves, when both are asked for, are searched as a product (one at a time can stop short of it).
+    Prints every timing and the entry for TUNED_H200; returns the configs."""
+    joint = "block_bwd" in kernels and "block_waves" in kernels
+    tuned = []
+    for name, L, d, H, B, T in shapes:
+        cfg = config_for(d, H)
+        for kernel in [k for k in kernels if not (joint and k == "block_waves")]:
+            if joint and kernel == "block_bwd":
+                options = [dict(block_bwd=c, block_waves=w) for c in candidates for w in CHOICES["block_waves"]]
+            else:
+                options = [{kernel: c} for c in CHOICES.get(kernel, candidates + ([None] if kernel.endswith("_lead") else []))]
+            results = []
+            for option in options:
+                try:
+                    ms = time_fn(replace(cfg, **option), L, d, H, B, T)
+                except Exception as e:   # e.g. out of shared memory or registers: skip the candidate
+                    print(f"tune {name} {option}: failed: {str(e)[:200]}", flush=True)
+                    continue
+                results.append((ms, str(option), option))
+                print(f"tune {name} {str(option):44s} {ms:7.3f} ms", flush=True)
+            cfg = replace(cfg, **min(results)[2])
+        entry = {f.name: getattr(cfg, f.name) for f in fields(cfg)
+                 if f.name != "name" and getattr(cfg, f.name) != getattr(DEFAULT, f.name)}
+        print(f"tuned ({d}, {H}): {entry}", flush=True)
+        tuned.append(cfg)
+    return tuned
 
 # ---- the launch itself ------------------------------------------------------------------------------------------------
 

@@ -1,33 +1,42 @@
 """
-Fused Triton routing for attention residuals and MHAR (arXiv 2607.27230: Eq. 2-3, Appendix E): the chain.
+Fused Triton routing for attention residuals and MHAR (arXiv 2607.27230: Eq. 2-3, Appendix E), rung 2: the chain of a
+whole pass (entry FusedRouter), the math of rung 1 (routing_call.py, one stateless call) over a depth history kept in
+one buffer, each source written once. Per site one forward launch and one backward launch; one more a pass for dw.
 
-Rung 2 of the fused routing (rung 1, one stateless call, and the math: routing_call.py): the chain kernels (_chain_*,
-entry FusedRouter), the same math over a whole pass, the history in one buffer, each source read once per site
-forward and once per site backward. Autograd runs site j's backward (a function of s_{j-1}, q_j, g_j) after every
-later site's, so site j gathers the whole of ds_{j-1}, in two launches per site backward: _chain_bwd_site (the sources
-and G_j read once: c, dw partials, each pair's da), then _chain_bwd_gather (s_{j-1} and every later G read once:
-ds_{j-1}; dw to dq, dg; and in extra programs the pair pass: alpha, dlogit and K's terms of site j's pairs, per pair
-with every head). Neighbouring sites share reads ("read sharing" blocks): a leading forward also runs the softmax of
-the next 1-3 sites (RoutingConfig.fwd_lead_sites) over s_0..s_{j-1} and hands each its fp32 state; site j+x resumes
-it and reads only s_j..s_{j+x-1} (per led site 8 bytes a channel of state against 2 per source it skips: 2 sites took
-MHAR's chains 0.98x at d 512 and 1280, 3 no further); a leading gather also sums source j-2's terms over G_j..G_N,
-and site j-1's gather adds only G_{j-1}. Deterministic: every sum has a fixed order.
-routing_gather.py: another backward for the same forward, without the site pass (per width); routing_block.py: block
-routing's own two kernels.
+Forward, site j (_chain_fwd): the newest source s_{j-1} into its slot with its RMS factor, then an online softmax per
+head over s_0..s_{j-1} (the newest from registers); the output in the sources' dtype, its log-sum-exp, and for the
+backward the output unrounded (fp32).
+Backward, site j (_gather_bwd): autograd runs it after every later site's, so it gathers the whole gradient of its
+own source n = j-1 over the sites jp = j..N that read it. A program owns a token block over the whole width (every
+head: K's sum over heads stays inside it) and recomputes each pair's terms beside s_n, from what the forward and the
+later sites' gathers left:
+    logit = r_n <w_jp[h], s_n[h]>,  alpha = exp(logit - lse_jp),  da = <G_jp[h], s_n[h]>,  dlogit = alpha (da - c_jp)
+    ds_n = sum_jp (alpha G_jp + dlogit r_n w_jp) - (r_n^2 / d) K s_n,   K = sum_jp sum_h dlogit logit
+c_jp[h] = sum_n alpha da = <G_jp[h], out_jp[h]> is made once, by site jp's own gather, from its upstream gradient and
+the unrounded output (the 16-bit output would add to the gradient's error); it stores c and lse token-major (CL), so a
+later gather loads a token's pair of a head in one copy. ds's two sums share one fp32 accumulator (registers bound
+how many programs a multiprocessor holds). dw_jp = sum_n sum_tokens dlogit r_n s_n[h] spans every source of site jp:
+each gather stores its pairs' dlogit r_n (DLR), and after the gather of s_0 one matrix product over the tokens makes
+every pair's terms (_dw_terms: a launch per source left the GPU idle), summed in a fixed order; site 1's backward
+returns every site's dq = dw g and dg = dw q. RoutingConfig.stored_logits: the forward stores each pair's logit and the
+gathers load it instead of a dot over the head (pays for a single head, whose dot spans the whole width).
+Read sharing: a leading forward also runs the next 1-2 sites' softmax on each tile it loads and hands each its fp32
+state; the led site resumes it and reads only the sources since. A leading gather also sums source n-1's terms on each
+gradient tile; site j-1's gather starts from them and adds only G_{j-1}. Every sum has a fixed order: deterministic,
+and the same output with or without sharing.
 
-Layouts (M = B*T tokens, row-major, 64-bit offsets; pair (j, n) is row j(j-1)/2 + n of P = N(N+1)/2): S, GB [N, M, d]
-sources, upstream gradients (activation dtype); fp32 R [N, M], W [N, d], LSE, C [N, H, M], DA, LG [P, H, M] (da, logit;
-then dlogit, alpha), KP [P, M], lead states PACC [L, M, d], PML [L, 2, H, M] (L led sites), PK [M]. Envelope: bf16 /
-fp16 / fp32 sources, math in fp32; d % H == 0, D >= 16 (any D); any number of sources (tests: 145 on CUDA); > 2^31
-elements per buffer; T = 1; outside it a ValueError names the limit (routing_config.check_envelope, beside the launch
-settings: tile, warps and stages per kernel, tuned per width). Cost: the forward, the site pass and the gather each
-read a pair's source (bf16: 2 bytes per channel each); a launch ~4 us per source it reads plus ~26-30 us (H200);
-eager, ~240 us of host time per site (routing_config.Launcher calls the compiled launchers directly). Measured:
+Layouts (M = B*T tokens, row-major, 64-bit offsets; P = N(N+1)/2 pairs, pair (site jp, source n) is LG's row
+jp(jp-1)/2 + n, site-major, and DLR's row nN - n(n-1)/2 + jp - n - 1, source-major): S, GB [N, M, d] the sources and
+upstream gradients (activation dtype); fp32 R [N, M], W [N, d] (w = q g), LSE [N, H, M], MIX [N, M, d], CL [N, M, H, 2]
+(c, lse), LG, DLR [P, H, M], PDW [splits, P + 1, d]; lead states PACC [L, M, d], PML [L, 2, H, M], PK [M].
+Envelope: bf16 / fp16 / fp32 sources, math in fp32; d % H == 0, D = d/H >= 16 (any D, held as up to two power-of-two
+column parts); any number of sources (tests: 145); > 2^31 elements a buffer; T = 1. Outside it a ValueError names
+the limit (routing_config.check_envelope, beside the launch settings).
+Cost model (bf16): 2 bytes a channel per (source, site) pair in the forward and again in the gather, before read
+sharing; ~10 more a site (the fp32 output written and read, s_n read again for dw): bench.chain_bytes. Measured:
 BENCHMARKS.md.
 """
-import functools
 import weakref
-from dataclasses import replace
 
 import torch
 
@@ -37,8 +46,7 @@ try:
 except ImportError:  # the model falls back to the reference routing (model.py prints why)
     triton = None
 
-from routing_config import (DEFAULT, INTERPRET, TUNED_H200, Launcher, RoutingConfig, _block_m, _split,  # noqa: F401
-                            announce, check_envelope, config_for, lead_schedule)
+from routing_config import INTERPRET, Launcher, _block_m, _split, announce, check_envelope, config_for, lead_schedule
 
 # Triton >= 3.4 passes a compiled kernel's launcher every argument in signature order (what routing_config.Launcher uses)
 DIRECT_OK = triton is not None and not INTERPRET and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 4)
@@ -49,21 +57,11 @@ def available(device):
     return triton is not None and (torch.device(device).type == "cuda" or INTERPRET)
 
 
-# ---- rung 2: the chain of one forward/backward pass (the whole depth history in one buffer) --------------------------
-
 if triton is not None:
-    from routing_call import _head_w, _part, _rounded, _rows, _softmax_update, _source   # rung 1's helpers
+    from routing_call import (_dot2, _head_w, _heads_part, _load, _part, _rounded, _rows, _softmax_update, _source,
+                              _zeros)
 
-    # A head is held as up to two column parts (routing_config._split): part b's code sits under `if SPLIT:` (a
-    # constexpr); without it part b's variables hold unused placeholders.
-
-    @triton.jit
-    def _dot2(x_a, y_a, x_b, y_b, SPLIT: tl.constexpr):
-        """Sums of x * y over both parts' last axis (the columns), fp32: [BLOCK_M], or [BLOCK_M, heads] for 3D tiles."""
-        out = tl.sum(x_a * y_a, axis=-1)
-        if SPLIT:
-            out += tl.sum(x_b * y_b, axis=-1)
-        return out
+    # ---- the forward: one launch a site, a program a (token block, head) ---------------------------------------------
 
     @triton.jit
     def _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM: tl.constexpr, SPLIT: tl.constexpr):
@@ -127,9 +125,9 @@ if triton is not None:
         NEW, Q, G,  # [M, DM] the newest source s_{j-1} (this site's autograd input, contiguous); [DM] q and g
         W, OUT,     # [N, DM] fp32 w = q*g (row j-1 written, for the gathers); [M, DM] routed output
         LSE, LG,    # [N, H, M] fp32 log-sum-exp (row j-1 written); [P, H, M] fp32 logits (if STORE_LOGITS)
-        Q2, G2, Q3, G3, Q4, G4,   # [DM] q and g of sites j+1, j+2, j+3 (read if LEAD >= 1, 2, 3)
+        Q2, G2, Q3, G3,   # [DM] q and g of sites j+1, j+2 (read if LEAD >= 1, 2)
         PACC, PML,  # [L, M, DM], [L, 2, H, M] fp32 the led sites' mixes, maxima, denominators (FOLLOW reads one)
-        MIX,        # [N, M, DM] fp32 every site's output unrounded (row j-1 written if STORE_MIX)
+        MIX,        # [N, M, DM] fp32 every site's output unrounded (row j-1 written if STORE_MIX: for the backward)
         M, j, back, eps,   # tokens, this site (1..N), FOLLOW: how many sites after its leader, RMS eps
         DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, STORE_LOGITS: tl.constexpr,
@@ -175,20 +173,15 @@ if triton is not None:
             n0 = j - back
             m_i, l_i, acc_a, acc_b = _lead_state(PACC, PML, back - 1, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM,
                                                  H, SPLIT)
-        pair1 = pair0 + j   # pair (j+1, n) at pair1 + n, (j+2, n) at pair2 + n, (j+3, n) at pair3 + n
+        pair1 = pair0 + j   # pair (j+1, n) at pair1 + n, (j+2, n) at pair2 + n
         pair2 = pair1 + j + 1
-        pair3 = pair2 + j + 2
-        m2, l2, acc2_a, acc2_b, w2_a, w2_b = m_i, l_i, acc_a, acc_b, w_a, w_b   # placeholders unless LEAD >= 1, 2, 3
+        m2, l2, acc2_a, acc2_b, w2_a, w2_b = m_i, l_i, acc_a, acc_b, w_a, w_b   # placeholders unless LEAD >= 1, 2
         m3, l3, acc3_a, acc3_b, w3_a, w3_b = m_i, l_i, acc_a, acc_b, w_a, w_b
-        m4, l4, acc4_a, acc4_b, w4_a, w4_b = m_i, l_i, acc_a, acc_b, w_a, w_b
         if LEAD >= 1:
             m2, l2, acc2_a, acc2_b, w2_a, w2_b = _lead_init(Q2, G2, h, cols_a, cmask_a, cols_b, cmask_b, D, BLOCK_M,
                                                             D_A, BLOCK_B, SPLIT)
         if LEAD >= 2:
             m3, l3, acc3_a, acc3_b, w3_a, w3_b = _lead_init(Q3, G3, h, cols_a, cmask_a, cols_b, cmask_b, D, BLOCK_M,
-                                                            D_A, BLOCK_B, SPLIT)
-        if LEAD >= 3:
-            m4, l4, acc4_a, acc4_b, w4_a, w4_b = _lead_init(Q4, G4, h, cols_a, cmask_a, cols_b, cmask_b, D, BLOCK_M,
                                                             D_A, BLOCK_B, SPLIT)
         # -- end of read sharing setup
         for n in tl.range(n0, j - 1, num_stages=STAGES):
@@ -201,9 +194,6 @@ if triton is not None:
             if LEAD >= 2:
                 m3, l3, acc3_a, acc3_b = _mix_step(m3, l3, acc3_a, acc3_b, s_a, s_b, r, w3_a, w3_b, LG, pair2 + n,
                                                    h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
-            if LEAD >= 3:
-                m4, l4, acc4_a, acc4_b = _mix_step(m4, l4, acc4_a, acc4_b, s_a, s_b, r, w4_a, w4_b, LG,
-                                                   pair3 + n, h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
         # (the newest source stays 16-bit until here: fp32 across the loop cost the 1B shape ~10 registers per thread,
         # one program per SM, and 50% more forward time)
         new_a, new_b = new_a.to(tl.float32), new_b.to(tl.float32)
@@ -217,283 +207,183 @@ if triton is not None:
             m3, l3, acc3_a, acc3_b = _mix_step(m3, l3, acc3_a, acc3_b, new_a, new_b, r_new, w3_a, w3_b, LG,
                                                pair2 + j - 1, h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
             _hand_off(PACC, PML, 1, m3, l3, acc3_a, acc3_b, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM, H, SPLIT)
-        if LEAD >= 3:
-            m4, l4, acc4_a, acc4_b = _mix_step(m4, l4, acc4_a, acc4_b, new_a, new_b, r_new, w4_a, w4_b, LG,
-                                               pair3 + j - 1, h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
-            _hand_off(PACC, PML, 2, m4, l4, acc4_a, acc4_b, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM, H, SPLIT)
         tl.store(OUT + tile_a, _rounded(acc_a / l_i[:, None], OUT.dtype.element_ty), mask=mask_a)
         if SPLIT:
             tl.store(OUT + tile_b, _rounded(acc_b / l_i[:, None], OUT.dtype.element_ty), mask=mask_b)
-        if STORE_MIX:   # the unrounded output, for the backward's c = <G, out> (routing_gather.py)
+        if STORE_MIX:   # the unrounded output, for the backward's c = <G, out>
             tl.store(MIX + slot + tile_a, acc_a / l_i[:, None], mask=mask_a)
             if SPLIT:
                 tl.store(MIX + slot + tile_b, acc_b / l_i[:, None], mask=mask_b)
         tl.store(LSE + ((j - 1) * H + h).to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
 
-    @triton.jit
-    def _grad_part(GIN, GB, W, slot, j, h, cols, cmask, mask, tile, DM: tl.constexpr, D: tl.constexpr):
-        """One column part of site j's upstream gradient (copied into its GB slot, returned in fp32) and of w."""
-        g = tl.load(GIN + tile, mask=mask, other=0.0)
-        tl.store(GB + slot + tile, g, mask=mask)
-        return g.to(tl.float32), tl.load(W + (j - 1) * DM + h * D + cols, mask=cmask, other=0.0)
-
-    @triton.jit(do_not_specialize=["j"])
-    def _chain_bwd_site(
-        S, R, W, LSE,   # as in _chain_fwd (read)
-        GIN, GB,        # [M, DM] this site's upstream gradient, contiguous; [N, M, DM] every site's (slot j-1 written)
-        LG, DA,         # [P, H, M] fp32 logits (read if stored, else written), <G, s_n> (pairs (j, 0..j-1) written)
-        C, PART, M, j,  # [N, H, M] fp32 c per site (row j-1 written); [token blocks, DM] fp32 partial sums of dw
-        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
-        BLOCK_M: tl.constexpr, STAGES: tl.constexpr, LOGITS_STORED: tl.constexpr):
-        SPLIT: tl.constexpr = BLOCK_B > 0
-        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
-        slot = (j - 1).to(tl.int64) * M * DM
-        part = PART + pm.to(tl.int64) * DM + h * D
-        cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
-        tile_b, mask_b = tile_a, mask_a
-        g_a, w_a = _grad_part(GIN, GB, W, slot, j, h, cols_a, cmask_a, mask_a, tile_a, DM, D)   # (w: unused if stored)
-        p_a, q_a = tl.zeros((BLOCK_M, D_A), tl.float32), tl.zeros((BLOCK_M, D_A), tl.float32)
-        g_b, w_b, p_b, q_b = g_a, w_a, tl.zeros((1, 1), tl.float32), tl.zeros((1, 1), tl.float32)
-        if SPLIT:
-            cols_b, cmask_b, mask_b, tile_b = _part(h, rows64, rmask, D_A, BLOCK_B, DM, D)
-            g_b, w_b = _grad_part(GIN, GB, W, slot, j, h, cols_b, cmask_b, mask_b, tile_b, DM, D)
-            p_b, q_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32), tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
-        site = ((j - 1) * H + h).to(tl.int64) * M + rows64
-        lse = tl.load(LSE + site, mask=rmask, other=0.0)
-        pair0 = j * (j - 1) // 2
-        pair = (pair0 * H + h).to(tl.int64) * M + rows64   # offsets of pair (j, 0) of head h; + n * H * M
-        # one pass: c = sum_n alpha da, dw = sum_n alpha r (da - c) s = P - c Q per token; dlogit needs c, known only
-        # at the end, so da is stored for the pair pass. (c = <G, out> before the loop would need one accumulator, but
-        # out is rounded to 16 bits: 1.1-1.9x the reference's bf16 gradient error.) Each path keeps the instruction
-        # order measured best: at the register limit (1B) an address live across the iteration cost it 22%.
-        c = tl.zeros((BLOCK_M,), tl.float32)
-        for n in tl.range(0, j, num_stages=STAGES):
-            s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
-            if LOGITS_STORED:
-                off = pair + (n * M).to(tl.int64) * H
-                alpha = tl.exp(tl.load(LG + off, mask=rmask, other=0.0) - lse)
-                da = _dot2(g_a, s_a, g_b, s_b, SPLIT)
-                tl.store(DA + off, da, mask=rmask)
-                c += alpha * da
-                fq = (alpha * r)[:, None]
-                fp = fq * da[:, None]
-            else:
-                logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
-                alpha = tl.exp(logit - lse)
-                da = _dot2(g_a, s_a, g_b, s_b, SPLIT)
-                c += alpha * da
-                fp = (alpha * da * r)[:, None]
-                fq = (alpha * r)[:, None]
-            p_a, q_a = p_a + fp * s_a, q_a + fq * s_a
-            if SPLIT:
-                p_b, q_b = p_b + fp * s_b, q_b + fq * s_b
-            if not LOGITS_STORED:
-                off = ((pair0 + n) * H + h).to(tl.int64) * M + rows64
-                tl.store(DA + off, da, mask=rmask)
-                tl.store(LG + off, logit, mask=rmask)
-        tl.store(C + site, c, mask=rmask)
-        tl.store(part + cols_a, tl.sum(p_a - c[:, None] * q_a, axis=0), mask=cmask_a)
-        if SPLIT:
-            tl.store(part + cols_b, tl.sum(p_b - c[:, None] * q_b, axis=0), mask=cmask_b)
+    # ---- the backward: one gather a site, a program a token block over every head; dw once a pass ---------------
 
     @triton.jit
-    def _pair_terms(AL, DL, LSE, C, pair, j, rows64, rmask, M, H: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Pair (j, n) = row `pair` for every head [BLOCK_H, rows], from the site pass's logit (AL) and da (DL):
-        alpha, dlogit, their offsets and mask, and K's term sum_h dlogit * logit."""
-        heads = tl.arange(0, BLOCK_H)
-        mask = (heads[:, None] < H) & rmask[None, :]
-        site = ((j - 1) * H + heads[:, None]).to(tl.int64) * M + rows64[None, :]
-        off = (pair * H + heads[:, None]) * M + rows64[None, :]
-        lg = tl.load(AL + off, mask=mask, other=0.0)
-        alpha = tl.exp(lg - tl.load(LSE + site, mask=mask, other=0.0))
-        dlogit = alpha * (tl.load(DL + off, mask=mask, other=0.0) - tl.load(C + site, mask=mask, other=0.0))
-        return alpha, dlogit, off, mask, tl.sum(dlogit * lg, axis=0)
+    def _site_w(W, jp, woff_a, wmask_a, woff_b, wmask_b, DM: tl.constexpr, SPLIT: tl.constexpr):
+        """Site jp's w, both parts ([1, BH, part])."""
+        w_a, w_b = _load(W, (jp - 1) * DM, woff_a, wmask_a, woff_b, wmask_b, SPLIT)
+        return w_a[None, :, :], w_b[None, :, :]
 
     @triton.jit
-    def _pair_pass(q, AL, DL, LSE, C, KP, M, j, H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_MP: tl.constexpr):
-        """Program q of site j's pair pass, a token block of one pair with every head: logit and da rewritten in place
-        as alpha and dlogit, K's term stored, so that each later gather loads 3 scalars per pair (a per-head gather
-        program forming K itself would load every head's). The pairs are a grid axis: a loop over them left the
-        paper's shapes 8-16 programs per site running one after another."""
-        nbp = tl.cdiv(M, BLOCK_MP)
-        rows = (q % nbp) * BLOCK_MP + tl.arange(0, BLOCK_MP)
-        pair = (j * (j - 1) // 2 + q // nbp).to(tl.int64)
-        alpha, dlogit, off, mask, k = _pair_terms(AL, DL, LSE, C, pair, j, rows.to(tl.int64), rows < M, M, H, BLOCK_H)
-        tl.store(AL + off, alpha, mask=mask)
-        tl.store(DL + off, dlogit, mask=mask)
-        tl.store(KP + pair * M + rows, k, mask=rows < M)
-
-    @triton.jit
-    def _own_pair(AL, DL, LSE, C, pair, j, h, rows64, rmask, M, H: tl.constexpr, BLOCK_H: tl.constexpr):
-        """alpha and dlogit of head h ([rows, 1]) and K's term of site j's pair `pair`, which no pair pass rewrote."""
-        alpha, dlogit, _, _, k = _pair_terms(AL, DL, LSE, C, pair, j, rows64, rmask, M, H, BLOCK_H)
-        mine = tl.arange(0, BLOCK_H)[:, None] == h
-        return tl.sum(tl.where(mine, alpha, 0.0), axis=0)[:, None], tl.sum(tl.where(mine, dlogit, 0.0), axis=0)[:, None], k
-
-    @triton.jit
-    def _sum_rows(PART, lo, hi, h, cols, cmask, DM: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                  CACHE: tl.constexpr):
-        """Rows [lo, hi) of a [rows, DM] fp32 matrix summed in a fixed order, on columns `cols` of head h."""
-        RB: tl.constexpr = 16
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for b0 in range(lo, hi, RB):
-            b = b0 + tl.arange(0, RB)
-            part = tl.load(PART + b.to(tl.int64)[:, None] * DM + h * D + cols[None, :],
-                           mask=(b[:, None] < hi) & cmask[None, :], other=0.0, cache_modifier=CACHE)
-            acc += tl.sum(part, axis=0)
-        return acc
-
-    @triton.jit
-    def _store_dqg(dw, Q, G, DQG, h, cols, cmask, DM: tl.constexpr, D: tl.constexpr):
-        """dq = dw g, dg = dw q on columns `cols` of head h."""
-        q = tl.load(Q + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
-        g = tl.load(G + h * D + cols, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(DQG + h * D + cols, dw * g, mask=cmask)
-        tl.store(DQG + DM + h * D + cols, dw * q, mask=cmask)
-
-    @triton.jit
-    def _accumulate(acc_a, u_a, acc_b, u_b, a_h, dl_h, g_a, w_a, g_b, w_b, SPLIT: tl.constexpr):
-        """One site's terms of a source's gradient: acc += alpha G, u += dlogit w, on both column parts."""
-        acc_a, u_a = acc_a + a_h * g_a, u_a + dl_h * w_a
-        if SPLIT:
-            acc_b, u_b = acc_b + a_h * g_b, u_b + dl_h * w_b
-        return acc_a, u_a, acc_b, u_b
-
-    @triton.jit
-    def _site_tiles(GB, W, jp, h, M, tile_a, mask_a, cols_a, cmask_a, tile_b, mask_b, cols_b, cmask_b,
-                    DM: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
-        """Site jp's upstream-gradient tile (fp32) and w, both column parts (part b = part a when not SPLIT)."""
-        gbase, wbase = ((jp - 1) * M).to(tl.int64) * DM, (jp - 1) * DM + h * D
-        g_a = tl.load(GB + gbase + tile_a, mask=mask_a, other=0.0).to(tl.float32)
-        w_a = tl.load(W + wbase + cols_a, mask=cmask_a, other=0.0)[None, :]
-        g_b, w_b = g_a, w_a
-        if SPLIT:
-            g_b = tl.load(GB + gbase + tile_b, mask=mask_b, other=0.0).to(tl.float32)
-            w_b = tl.load(W + wbase + cols_b, mask=cmask_b, other=0.0)[None, :]
-        return g_a, w_a, g_b, w_b
-
-    @triton.jit(do_not_specialize=["j", "n_sites", "n_blocks", "K", "n_main"])
-    def _chain_bwd_gather(
-        S, R, W, GB, PART,   # as above (read)
-        PART2, TICKET,       # [K, DM] fp32 second-level dw partials; [H] int32 finished first-level sums (0 between)
-        DL, AL, KP,          # [P, H, M] fp32 da and logit (the site pass's), rewritten as dlogit and alpha by the pair
-        LSE, C,              #   pass, which stores KP [P, M] sum_h dlogit * logit; LSE, C as above (read)
-        Q, G, DS, DQG,       # [DM] this site's q and g; [M, DM] ds of source n = j-1; [2, DM] fp32 dq and dg
-        PACC, PK,            # [M, DM], [M] fp32 source n-1's sums over sites j..N (LEAD writes, site j-1's FOLLOW reads)
-        M, j, n_sites, n_blocks, K, n_main, inv_dm,   # K: first-level dw reducers per head; n_main: gather programs
-        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
-        BLOCK_M: tl.constexpr, STAGES: tl.constexpr, TWO_LEVEL: tl.constexpr, LEAD: tl.constexpr, FOLLOW: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_MP: tl.constexpr):
-        # Programs past n_main run site j's pair pass for its pairs (j, 0..j-2) (.. j-3 if LEAD), which later sites'
-        # gathers read; this site's gather programs compute the pairs they read of site j itself from the raw values.
-        # (As a launch of its own, the pair pass was a quarter of the eager chain's launches.)
-        if tl.program_id(0) >= n_main:
-            _pair_pass(tl.program_id(0) - n_main, AL, DL, LSE, C, KP, M, j, H, BLOCK_H, BLOCK_MP)
+    def _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row, LG, lrow, hoff, hmask, M64,
+              H: tl.constexpr, SPLIT: tl.constexpr, LOGITS_STORED: tl.constexpr):
+        """Pair (site jp, source n): acc += alpha G + dlogit r_n w, k += sum_h dlogit logit; dlogit r_n stored as DLR row
+        `row` (the dw product's operand). s, g: [BLOCK_M, BH, part] fp32 tiles, r: [BLOCK_M], c: [BLOCK_M, BH]. The logit
+        is recomputed, or with LOGITS_STORED loaded from the forward's row `lrow` of LG."""
+        if LOGITS_STORED:
+            logit = tl.load(LG + lrow * H * M64 + hoff, mask=hmask, other=0.0)
         else:
-            _gather(S, R, W, GB, PART, PART2, TICKET, DL, AL, KP, LSE, C, Q, G, DS, DQG, PACC, PK, M, j, n_sites,
-                    n_blocks, K, inv_dm, DM, H, D, D_A, BLOCK_B, BLOCK_M, STAGES, TWO_LEVEL, LEAD, FOLLOW, BLOCK_H)
+            logit = r[:, None] * _dot2(s_a, w_a, s_b, w_b, SPLIT)
+        alpha = tl.exp(logit - lse)
+        dlogit = alpha * (_dot2(g_a, s_a, g_b, s_b, SPLIT) - c)
+        rdl = dlogit * r[:, None]
+        tl.store(DLR + row * H * M64 + hoff, rdl, mask=hmask)
+        acc_a = acc_a + alpha[:, :, None] * g_a + rdl[:, :, None] * w_a
+        if SPLIT:
+            acc_b = acc_b + alpha[:, :, None] * g_b + rdl[:, :, None] * w_b
+        return acc_a, acc_b, k + tl.sum(dlogit * logit, axis=1)
 
     @triton.jit
-    def _gather(S, R, W, GB, PART, PART2, TICKET, DL, AL, KP, LSE, C, Q, G, DS, DQG, PACC, PK, M, j, n_sites,
-                n_blocks, K, inv_dm, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_A: tl.constexpr,
-                BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr, TWO_LEVEL: tl.constexpr,
-                LEAD: tl.constexpr, FOLLOW: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Site j's gather: the whole gradient of source n = j-1 over the sites j..N that read it, and dq, dg."""
+    def _store_ds(DS, acc, s, r, k, inv_dm, off, mask):
+        """ds_n = sum_j (alpha G_j + dlogit r_n w_j) - (r^2 / d) K s_n on one column part."""
+        ds = acc - (r * r * k * inv_dm)[:, None, None] * s
+        tl.store(DS + off, _rounded(ds, DS.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["j", "M"])   # (an int argument that equals 1 would become a constant: M.to fails)
+    def _gather_bwd(
+        S, R, W, LSE, MIX,  # the forward's: [N, M, DM] sources, [N, M] RMS factors, [N, DM] w, [N, H, M] lse, [N, M, DM] mix
+        LG,                 # LOGITS_STORED: the forward's [P, H, M] logits, site-major (pair (jp, n): row jp (jp-1)/2 + n)
+        GIN, GB, CL,        # [M, DM] site j's upstream gradient; [N, M, DM] every site's (slot j-1 written);
+                            # [N, M, H, 2] c and lse, token-major (a token's 2H scalars of a site in one row; slot j-1 written)
+        DLR, DS,            # [P, H, M] fp32 dlogit r_n per pair, source-major (pairs (j..N, n) written); [M, DM] ds_n
+        PACC, PK,           # [M, DM], [M] fp32 source n-1's sums over sites j..N (LEAD writes, site j-1's FOLLOW reads)
+        M, j, N, inv_dm,
+        DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, D_A: tl.constexpr, BLOCK_B: tl.constexpr,
+        BLOCK_M: tl.constexpr, STAGES: tl.constexpr, LEAD: tl.constexpr, FOLLOW: tl.constexpr,
+        LOGITS_STORED: tl.constexpr):
         SPLIT: tl.constexpr = BLOCK_B > 0
-        h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
-        n = j - 1   # the source this site owns
-        src = (n * M).to(tl.int64) * DM
-        r = tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
-        cols_a, cmask_a, mask_a, tile_a = _part(h, rows64, rmask, 0, D_A, DM, D)
-        cols_b, cmask_b, mask_b, tile_b = cols_a, cmask_a, mask_a, tile_a
-        s_a = tl.load(S + src + tile_a, mask=mask_a, other=0.0).to(tl.float32)
-        # acc: sum_j' alpha_j'[n] G_j' (+ r u of sites j+1..N if FOLLOW), u: sum_j' dlogit_j'[n] w_j',
-        # k: sum_j' sum_h dlogit_j'[n, h] logit_j'[n, h]
-        acc_a, u_a = tl.zeros((BLOCK_M, D_A), tl.float32), tl.zeros((BLOCK_M, D_A), tl.float32)
-        acc_b, u_b = tl.zeros((1, 1), tl.float32), tl.zeros((1, 1), tl.float32)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask, rows64, M64 = rows < M, rows.to(tl.int64), M.to(tl.int64)
+        off_a, mask_a, woff_a, wmask_a = _heads_part(rows64, rmask, 0, D_A, DM, H, D, BH)
+        off_b, mask_b, woff_b, wmask_b = off_a, mask_a, woff_a, wmask_a
         if SPLIT:
-            cols_b, cmask_b, mask_b, tile_b = _part(h, rows64, rmask, D_A, BLOCK_B, DM, D)
-            acc_b, u_b = tl.zeros((BLOCK_M, BLOCK_B), tl.float32), tl.zeros((BLOCK_M, BLOCK_B), tl.float32)
-        k, last = tl.zeros((BLOCK_M,), tl.float32), n_sites
-        # -- read sharing: FOLLOW starts from the sums site j+1's gather left for this source over sites j+1..N and
-        # reads only G_j; LEAD also sums source n-1's terms on every gradient tile it loads
+            off_b, mask_b, woff_b, wmask_b = _heads_part(rows64, rmask, D_A, BLOCK_B, DM, H, D, BH)
+        heads = tl.arange(0, BH)
+        hoff, hmask = (heads * M).to(tl.int64)[None, :] + rows64[:, None], rmask[:, None] & (heads < H)[None, :]
+        toff = (rows64[:, None] * (2 * H) + heads[None, :] * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]   # CL's (c, lse)
+        tmask = tl.broadcast_to(hmask[:, :, None], (BLOCK_M, BH, 2))
+        n = j - 1   # the source this gather owns
+        slot = n * M64 * DM
+        s_a, s_b = _load(S, slot, off_a, mask_a, off_b, mask_b, SPLIT)
+        r = tl.load(R + n * M64 + rows64, mask=rmask, other=0.0)
+        row0 = n * N - n * (n - 1) // 2 - j   # source n's pairs: site jp at row row0 + jp
+        # site j's own terms: its upstream gradient, kept for the gathers of older sources, and c_j = <G_j, out_j>
+        g_a, g_b = _load(GIN, 0, off_a, mask_a, off_b, mask_b, SPLIT)
+        tl.store(GB + slot + off_a, g_a.to(GB.dtype.element_ty), mask=mask_a)   # (exact: G_j is in GB's dtype)
+        if SPLIT:
+            tl.store(GB + slot + off_b, g_b.to(GB.dtype.element_ty), mask=mask_b)
+        mix_a, mix_b = _load(MIX, slot, off_a, mask_a, off_b, mask_b, SPLIT)
+        c = _dot2(g_a, mix_a, g_b, mix_b, SPLIT)
+        acc_a, acc_b, k = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
+        last = N
+        # -- read sharing: FOLLOW starts from the sums site j+1's gather left for this source over sites j+1..N and reads
+        # only G_j; LEAD also sums source n-1's terms on every gradient tile it loads
         if FOLLOW:
-            acc_a = tl.load(PACC + tile_a, mask=mask_a, other=0.0)
-            if SPLIT:
-                acc_b = tl.load(PACC + tile_b, mask=mask_b, other=0.0)
+            acc_a, acc_b = _load(PACC, 0, off_a, mask_a, off_b, mask_b, SPLIT)
             k, last = tl.load(PK + rows64, mask=rmask, other=0.0), j
-        acc2_a, u2_a, acc2_b, u2_b, k2 = acc_a, u_a, acc_b, u_b, k   # source n-1's sums (placeholders unless LEAD)
+        s2_a, s2_b, r2, row2 = s_a, s_b, r, row0   # source n-1's tiles and sums (placeholders unless LEAD)
+        acc2_a, acc2_b, k2 = acc_a, acc_b, k
         if LEAD:
-            acc2_a, u2_a, k2 = tl.zeros_like(acc_a), tl.zeros_like(u_a), tl.zeros_like(k)
-            acc2_b, u2_b = tl.zeros_like(acc_b), tl.zeros_like(u_b)
+            s2_a, s2_b = _load(S, slot - M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
+            r2, row2 = tl.load(R + (n - 1) * M64 + rows64, mask=rmask, other=0.0), (n - 1) * N - (n - 1) * (n - 2) // 2 - n
+            acc2_a, acc2_b, k2 = _zeros(BLOCK_M, BH, D_A, BLOCK_B, SPLIT)
         # -- end of read sharing setup
-        # site j's own pairs, (j, n) and if LEAD (j, n-1), from the site pass's raw values (see _chain_bwd_gather)
-        pair = (j * (j - 1) // 2 + n).to(tl.int64)
-        a_h, dl_h, kk = _own_pair(AL, DL, LSE, C, pair, j, h, rows64, rmask, M, H, BLOCK_H)
-        k += kk
-        g_a, w_a, g_b, w_b = _site_tiles(GB, W, j, h, M, tile_a, mask_a, cols_a, cmask_a, tile_b, mask_b, cols_b, cmask_b,
-                                         DM, D, SPLIT)
-        acc_a, u_a, acc_b, u_b = _accumulate(acc_a, u_a, acc_b, u_b, a_h, dl_h, g_a, w_a, g_b, w_b, SPLIT)
+        w_a, w_b = _site_w(W, j, woff_a, wmask_a, woff_b, wmask_b, DM, SPLIT)
+        lse = tl.load(LSE + n * H * M64 + hoff, mask=hmask, other=0.0)   # site j's, from the forward
+        tl.store(CL + n * M64 * 2 * H + toff, tl.join(c, lse), mask=tmask)   # for the gathers of older sources
+        site0 = j * (j - 1) // 2   # LG's first row of site j (of site jp in the loop: `site`)
+        acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + j, LG, site0 + n, hoff,
+                                hmask, M64, H, SPLIT, LOGITS_STORED)
         if LEAD:
-            a_h, dl_h, kk = _own_pair(AL, DL, LSE, C, pair - 1, j, h, rows64, rmask, M, H, BLOCK_H)
-            k2 += kk
-            acc2_a, u2_a, acc2_b, u2_b = _accumulate(acc2_a, u2_a, acc2_b, u2_b, a_h, dl_h, g_a, w_a, g_b, w_b, SPLIT)
+            acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + j, LG,
+                                       site0 + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
         for jp in tl.range(j + 1, last + 1, num_stages=STAGES):   # every later site that reads source n
-            pair = (jp * (jp - 1) // 2 + n).to(tl.int64)
-            own = (pair * H + h) * M + rows64
-            a_h = tl.load(AL + own, mask=rmask, other=0.0)[:, None]
-            dl_h = tl.load(DL + own, mask=rmask, other=0.0)[:, None]
-            k += tl.load(KP + pair * M + rows64, mask=rmask, other=0.0)
-            g_a, w_a, g_b, w_b = _site_tiles(GB, W, jp, h, M, tile_a, mask_a, cols_a, cmask_a, tile_b, mask_b, cols_b,
-                                             cmask_b, DM, D, SPLIT)
-            acc_a, u_a, acc_b, u_b = _accumulate(acc_a, u_a, acc_b, u_b, a_h, dl_h, g_a, w_a, g_b, w_b, SPLIT)
-            if LEAD:   # read sharing: pair (jp, n-1) sits just before pair (jp, n)
-                a_h = tl.load(AL + own - H * M, mask=rmask, other=0.0)[:, None]
-                dl_h = tl.load(DL + own - H * M, mask=rmask, other=0.0)[:, None]
-                k2 += tl.load(KP + (pair - 1) * M + rows64, mask=rmask, other=0.0)
-                acc2_a, u2_a, acc2_b, u2_b = _accumulate(acc2_a, u2_a, acc2_b, u2_b, a_h, dl_h, g_a, w_a, g_b, w_b, SPLIT)
+            g_a, g_b = _load(GB, (jp - 1) * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
+            c, lse = tl.split(tl.load(CL + (jp - 1) * M64 * 2 * H + toff, mask=tmask, other=0.0))
+            w_a, w_b = _site_w(W, jp, woff_a, wmask_a, woff_b, wmask_b, DM, SPLIT)
+            site = jp * (jp - 1) // 2
+            acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + jp, LG, site + n,
+                                    hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
+            if LEAD:   # read sharing: the same gradient tile, the previous source
+                acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + jp, LG,
+                                           site + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
         if LEAD:   # read sharing: source n-1's sums, handed to site j-1's gather
-            r2 = tl.load(R + ((n - 1) * M).to(tl.int64) + rows64, mask=rmask, other=0.0)[:, None]
-            tl.store(PACC + tile_a, acc2_a + r2 * u2_a, mask=mask_a)
+            tl.store(PACC + off_a, acc2_a, mask=mask_a)
             if SPLIT:
-                tl.store(PACC + tile_b, acc2_b + r2 * u2_b, mask=mask_b)
-            tl.store(PK + rows64, k2, mask=rmask & ((rows64 * 0 + h) == 0))   # one head writes K (the same in all)
-        rk = (r * r * k * inv_dm)[:, None]
-        tl.store(DS + tile_a, _rounded(acc_a + r[:, None] * u_a - rk * s_a, DS.dtype.element_ty), mask=mask_a)
+                tl.store(PACC + off_b, acc2_b, mask=mask_b)
+            tl.store(PK + rows64, k2, mask=rmask)
+        _store_ds(DS, acc_a, s_a, r, k, inv_dm, off_a, mask_a)
         if SPLIT:
-            s_b = tl.load(S + src + tile_b, mask=mask_b, other=0.0).to(tl.float32)
-            tl.store(DS + tile_b, _rounded(acc_b + r[:, None] * u_b - rk * s_b, DS.dtype.element_ty), mask=mask_b)
-        # dw from the site pass's n_blocks partials in two levels, a fixed order: the first K token blocks each sum a
-        # chunk into PART2[pm]; the last of a head's K to finish (a ticket per head) sums PART2's rows and writes dq,
-        # dg. (One program summing every row was the tail of the short gathers, and made small site tiles slow.)
-        if not TWO_LEVEL:   # K = 1: the first token block sums them all (no ticket)
-            if pm == 0:
-                _store_dqg(_sum_rows(PART, 0, n_blocks, h, cols_a, cmask_a, DM, D, D_A, ""), Q, G, DQG, h, cols_a, cmask_a, DM, D)
-                if SPLIT:
-                    _store_dqg(_sum_rows(PART, 0, n_blocks, h, cols_b, cmask_b, DM, D, BLOCK_B, ""), Q, G, DQG, h, cols_b,
-                               cmask_b, DM, D)
-        elif pm < K:
-            chunk = tl.cdiv(n_blocks, K)
-            lo, hi = pm * chunk, tl.minimum(pm * chunk + chunk, n_blocks)
-            tl.store(PART2 + pm * DM + h * D + cols_a, _sum_rows(PART, lo, hi, h, cols_a, cmask_a, DM, D, D_A, ""),
-                     mask=cmask_a)
-            if SPLIT:
-                tl.store(PART2 + pm * DM + h * D + cols_b,
-                         _sum_rows(PART, lo, hi, h, cols_b, cmask_b, DM, D, BLOCK_B, ""), mask=cmask_b)
-            tl.debug_barrier()   # every thread's stores issued before the (releasing) ticket
-            if tl.atomic_add(TICKET + h, 1, sem="acq_rel") == K - 1:
-                # (.cg: the other programs' rows are read at L2, where their stores went, not through this SM's L1)
-                _store_dqg(_sum_rows(PART2, 0, K, h, cols_a, cmask_a, DM, D, D_A, ".cg"), Q, G, DQG, h, cols_a, cmask_a, DM, D)
-                if SPLIT:
-                    _store_dqg(_sum_rows(PART2, 0, K, h, cols_b, cmask_b, DM, D, BLOCK_B, ".cg"), Q, G, DQG, h, cols_b,
-                               cmask_b, DM, D)
-                tl.atomic_xchg(TICKET + h, 0)   # ready for the next site's gather
+            _store_ds(DS, acc_b, s_b, r, k, inv_dm, off_b, mask_b)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _dw_terms(DLR, S, PDW, N, M, tokens_per_split, P1, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                  BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+        """Every pair's terms of dw over one split of the tokens, one launch once every gather is done: the program of
+        source n, sites n+1+i for i in its block of BLOCK_J, and a column block of head h writes
+        PDW[split, row0 + i, cols] = sum over the split's tokens t of DLR[row0 + i, h, t] * s_n[t, cols] (fp32 sums; the
+        products as PRECISION says: dw_precision)."""
+        cb, nb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n, jb = nb // tl.cdiv(N, BLOCK_J), nb % tl.cdiv(N, BLOCK_J)
+        J, row0 = N - n, n * N - n * (n - 1) // 2   # source n's sites n+1 .. N: pair rows row0 ..
+        h, c = cb // tl.cdiv(D, BLOCK_C), (cb % tl.cdiv(D, BLOCK_C)) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cols, cmask = h * D + c, c < D   # a column block of head h
+        i = jb * BLOCK_J + tl.arange(0, BLOCK_J)
+        M64 = M.to(tl.int64)
+        acc = tl.zeros((BLOCK_J, BLOCK_C), tl.float32)
+        t0 = split * tokens_per_split
+        t1 = tl.where(jb * BLOCK_J < J, tl.minimum(t0 + tokens_per_split, M), t0)   # a block past source n's sites: none
+        for t in range(t0, t1, BLOCK_T):
+            ts = t + tl.arange(0, BLOCK_T)
+            x = tl.load(DLR + ((row0 + i) * H + h).to(tl.int64)[:, None] * M64 + ts[None, :],
+                        mask=(i < J)[:, None] & (ts < M)[None, :], other=0.0)
+            y = tl.load(S + n * M64 * DM + ts.to(tl.int64)[:, None] * DM + cols[None, :],
+                        mask=(ts < M)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            if PRECISION == "tf32x2":   # y exact in tf32 (16-bit sources): x = its tf32 bits + the rest, two products
+                x_hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                acc = tl.dot(x - x_hi, y, acc, input_precision="tf32")
+                acc = tl.dot(x_hi, y, acc, input_precision="tf32")
+            else:
+                acc = tl.dot(x, y, acc, input_precision=PRECISION)
+        tl.store(PDW + (split * P1 + row0 + i).to(tl.int64)[:, None] * DM + cols[None, :], acc,
+                 mask=(i < J)[:, None] & cmask[None, :])
+
+
+def dw_precision(dtype, device):
+    """dw's product on tensor cores where they take tf32 (sm_80+), at close to fp32's accuracy: "tf32x2" for 16-bit
+    sources (exact in tf32, so dlogit r_n's high and low tf32 parts against them: two products), "tf32x3" for fp32
+    sources (three: the sources' low parts too), else "ieee" FMAs. Its time is its tensor-core instructions."""
+    device = torch.device(device)
+    if device.type != "cuda" or INTERPRET or torch.cuda.get_device_capability(device) < (8, 0):
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32x2"
+
+
+def dw_launch(N, M, H, D):
+    """_dw_terms' (sites, tokens a step, columns) a program, token splits and warps: each program reads its DLR rows and
+    s_n columns once, so wider blocks re-read less; the splits fill the GPU (~2,048 programs over every source, >= 512
+    tokens each). 16 tokens a step on 4 warps: 32 spill the IEEE product's registers."""
+    bj, bc = 32, min(64, triton.next_power_of_2(D))
+    programs = H * triton.cdiv(D, bc) * N * triton.cdiv(N, bj)
+    return bj, 64 if INTERPRET else 16, bc, max(1, min(triton.cdiv(M, 512), triton.cdiv(2048, programs))), 4
 
 
 class RoutingChain:
     """The buffers and bookkeeping of one forward/backward pass over all N sites. Contract: sites run forward in order
     1..N and backward in exact reverse order N..1, once; a second forward may not start while the first one's backward
-    is pending. Activation checkpointing may wrap sublayers, never routing calls (it would rerun a site's forward)."""
+    is pending; site 1's backward returns every site's dq and dg, so a training pass starts with every site's queries
+    and gains (FusedRouter.start). Activation checkpointing may wrap sublayers, never routing calls (it would rerun a
+    site's forward)."""
 
     def __init__(self, n_sites, tokens, d, heads, eps, dtype, device, training, config=None):
         check_envelope(d, heads, dtype)
@@ -501,21 +391,26 @@ class RoutingChain:
         announce(cfg, d, heads)
         N, M, H = self.N, self.M, self.H = n_sites, tokens, heads
         self.d, self.D, self.eps, self.dtype, self.training = d, d // heads, eps, dtype, training
-        self.launch = {k: self._geometry(k, getattr(cfg, k))   # None: that lead never runs
-                       for k in ("fwd", "site", "pairs", "gather", "fwd_lead", "gather_lead")}
-        # token blocks of the dw partials; whether the forward stores logits for the site pass
-        self.n_blocks, self.stored_logits = triton.cdiv(tokens, self.launch["site"][1]), training and cfg.stored_logits
+        # the forward's programs own a head of a token block, the gathers' every head (tile elements, warps, stages)
+        d_a, block_b, lanes = _split(self.D)   # (160 = 128 + 32, not 256 padded)
+        bh = triton.next_power_of_2(H)
+        fwd_shape, gather_shape = dict(D_A=d_a, BLOCK_B=block_b), dict(DM=d, H=H, D=self.D, BH=bh, D_A=d_a,
+                                                                       BLOCK_B=block_b)
+        self.fwd_launch = {lead: ((triton.cdiv(M, _block_m(s[0], lanes, cfg)) * H,), _block_m(s[0], lanes, cfg), *s[1:],
+                                  fwd_shape) for lead, s in ((False, cfg.fwd), (True, cfg.fwd_lead)) if s}
+        self.gather_launch = {lead: (_block_m(s[0], bh * lanes, cfg), *s[1:], gather_shape)
+                              for lead, s in ((False, cfg.gather), (True, cfg.gather_lead)) if s}
         f32 = dict(dtype=torch.float32, device=device)
         self.S, self.R = torch.empty(N, M, d, dtype=dtype, device=device), torch.empty(N, M, **f32)
         self.W, self.LSE = torch.empty(N, d, **f32), torch.empty(N, H, M, **f32)
-        self.MIX = self.R   # a placeholder: the forward stores the unrounded output only for the gather backward
+        self.stored_logits = training and cfg.stored_logits
+        self.MIX, self.LG = self.R, self.LSE   # placeholders: a training pass's backward needs them
         if training:
             self._backward_buffers(N, M, d, H, f32)
         fwd, gather = lead_schedule(N, cfg.lead_min, cfg.fwd_lead_sites)
         self.launcher = Launcher(device, DIRECT_OK)
-        self.fwd_lead = fwd if self.launch["fwd_lead"] else frozenset()
-        lead = self.launch["gather_lead"] if cfg.backward == "site" else cfg.gather_bwd_lead   # (routing_gather's)
-        self.gather_lead = gather if lead and training else frozenset()
+        self.fwd_lead = fwd if cfg.fwd_lead else frozenset()
+        self.gather_lead = gather if cfg.gather_lead and training else frozenset()
         # one lead state at a time (the forward's is used up before the backward); else unused placeholders
         led = cfg.fwd_lead_sites if self.fwd_lead else 1   # lead states at once: the forward's, or the gather's one
         self.PACC, self.PML, self.PK = (torch.empty(led, M, d, **f32), torch.empty(led, 2, H, M, **f32),
@@ -525,29 +420,20 @@ class RoutingChain:
     def _backward_buffers(self, N, M, d, H, f32):
         P = N * (N + 1) // 2
         self.GB = torch.empty(N, M, d, dtype=self.dtype, device=self.S.device)
-        self.DA, self.LG = torch.empty(P, H, M, **f32), torch.empty(P, H, M, **f32)   # da, logit; dlogit, alpha
-        self.C, self.KP = torch.empty(N, H, M, **f32), torch.empty(P, M, **f32)
-        self.PART = torch.empty(self.n_blocks, d, **f32)
-        gathers = [self.launch[k][0][0] // H for k in ("gather", "gather_lead") if self.launch[k]]
-        self.K = max(1, min(self.config.reducers, self.n_blocks, *gathers))   # first-level dw reducers, >= 1 row each
-        self.PART2, self.TICKET = torch.empty(self.K, d, **f32), torch.zeros(H, dtype=torch.int32, device=self.S.device)
-
-    def _geometry(self, kernel, setting):
-        """(grid, BLOCK_M, warps, stages, column or head constexprs) of a chain kernel's launches."""
-        if setting is None:
-            return None
-        tile, warps, stages = setting
-        if kernel == "pairs":   # a program per token block and pair, every head (the gather launch's last programs)
-            block_h = triton.next_power_of_2(self.H)
-            bm = min(1024, triton.next_power_of_2(max(1, tile // block_h)))
-            return (triton.cdiv(self.M, bm),), bm, warps, stages, dict(BLOCK_H=block_h)   # (warps: the gather's)
-        d_a, block_b, lanes = _split(self.D, split=kernel.removesuffix("_lead") in self.config.split)
-        bm = _block_m(tile, lanes, self.config)
-        return (triton.cdiv(self.M, bm) * self.H,), bm, warps, stages, dict(D_A=d_a, BLOCK_B=block_b)
+        self.MIX, self.CL = torch.empty(N, M, d, **f32), torch.empty(N, M, H, 2, **f32)
+        self.DLR = torch.empty(P, H, M, **f32)
+        if self.stored_logits:
+            self.LG = torch.empty(P, H, M, **f32)
+        # dw's product (dw_launch): PDW [splits, P + 1, d] holds every pair's partial terms (row P stays 0), summed
+        # once at the end: site jp's pairs are rows SITE_PAIRS[jp-1]
+        self.dw_launch, self.dw_precision = dw_launch(N, M, H, self.D), dw_precision(self.dtype, self.S.device)
+        self.PDW = torch.zeros(self.dw_launch[3], P + 1, d, **f32)
+        rows = [[n * N - n * (n - 1) // 2 + jp - n - 1 for n in range(jp)] + [P] * (N - jp) for jp in range(1, N + 1)]
+        self.SITE_PAIRS = torch.tensor(rows, device=self.S.device)
 
     def reset(self, queries=None, gains=None):
-        """Ready for a new pass; queries, gains: every site's q and g, which leading forwards read (None: no leads) and
-        the gather backward differentiates at site 1."""
+        """Ready for a new pass; queries, gains: every site's q and g, which leading forwards read and site 1's
+        backward differentiates (None: no leads, and no backward)."""
         self.live = queries, gains
         self.queries, self.gains = (None, None) if queries is None else ([q.detach() for q in queries],
                                                                           [g.detach() for g in gains])
@@ -569,9 +455,11 @@ class RoutingChain:
             new_source.shape)
 
     def deferred(self, j):
-        """Parameters whose gradients site j's backward returns besides its own q and g: none here (routing_gather's
-        chain returns every site's at site 1)."""
-        return ()
+        """Parameters whose gradients site j's backward returns besides its own q and g: site 1's, every site's."""
+        if self.live[0] is None:
+            raise RuntimeError("fused routing: the backward returns every site's dq and dg at site 1: start the chain "
+                               "with every site's queries and gains (FusedRouter.start(x, queries, gains))")
+        return (*self.live[0], *self.live[1]) if j == 1 else ()
 
     def _expect_forward(self, j):
         if self.next_bwd is not None:
@@ -584,17 +472,15 @@ class RoutingChain:
         self._expect_forward(j)
         out = torch.empty(self.M, self.d, dtype=self.dtype, device=new_source.device)
         lead = self.config.fwd_lead_sites if j in self.fwd_lead and self.queries is not None and not self.behind else 0
-        grid, bm, warps, stages, parts = self.launch["fwd_lead" if lead else "fwd"]
-        led = [(self.queries[j + x], self.gains[j + x]) if x < lead else (q, g) for x in range(3)]   # sites j+1..j+3
-        (q2, g2), (q3, g3), (q4, g4) = led
-        self.launcher.launch(_chain_fwd, ("fwd", lead, self.behind > 0), grid, warps,
-                             (new_source, q, g, q2, g2, q3, g3, q4, g4),
-                             dict(NEW=new_source, Q=q, G=g, OUT=out, Q2=q2, G2=g2, Q3=q3, G3=g3, Q4=q4, G4=g4, j=j,
-                                  back=self.behind), lambda: dict(
-            S=self.S, R=self.R, W=self.W, LSE=self.LSE, LG=self.LG if self.training else self.LSE, PACC=self.PACC,
-            PML=self.PML, MIX=self.MIX, M=self.M, eps=self.eps, DM=self.d, H=self.H, D=self.D, **parts, BLOCK_M=bm,
-            BLOCK_C=min(1024, triton.next_power_of_2(self.d)), STAGES=stages, STORE_LOGITS=self.stored_logits, LEAD=lead,
-            FOLLOW=self.behind > 0, STORE_MIX=self.MIX is not self.R))
+        grid, bm, warps, stages, parts = self.fwd_launch[lead > 0]
+        (q2, g2), (q3, g3) = [(self.queries[j + x], self.gains[j + x]) if x < lead else (q, g) for x in range(2)]
+        self.launcher.launch(_chain_fwd, ("fwd", lead, self.behind > 0), grid, warps, (new_source, q, g, q2, g2, q3, g3),
+                             dict(NEW=new_source, Q=q, G=g, OUT=out, Q2=q2, G2=g2, Q3=q3, G3=g3, j=j, back=self.behind),
+                             lambda: dict(
+            S=self.S, R=self.R, W=self.W, LSE=self.LSE, LG=self.LG, PACC=self.PACC, PML=self.PML, MIX=self.MIX, M=self.M,
+            eps=self.eps, DM=self.d, H=self.H, D=self.D, **parts, BLOCK_M=bm, BLOCK_C=min(1024, triton.next_power_of_2(
+                self.d)), STAGES=stages, STORE_LOGITS=self.stored_logits, LEAD=lead, FOLLOW=self.behind > 0,
+            STORE_MIX=self.MIX is not self.R))
         if lead:
             self.behind, self.led = 1, lead
         else:
@@ -614,27 +500,31 @@ class RoutingChain:
 
     def backward_site(self, j, grad_out, q, g):
         self._expect_backward(j)
-        M, d, H = self.M, self.d, self.H
+        M, d, H, N = self.M, self.d, self.H, self.N
         grad_out = grad_out.to(self.dtype).contiguous()   # (no copy when it already is)
-        grid, bm, warps, stages, parts = self.launch["site"]
-        self.launcher.launch(_chain_bwd_site, ("site",), grid, warps, (grad_out,), dict(GIN=grad_out, j=j),
-                             lambda: dict(
-            S=self.S, R=self.R, W=self.W, LSE=self.LSE, GB=self.GB, LG=self.LG, DA=self.DA, C=self.C, PART=self.PART, M=M,
-            DM=d, H=H, D=self.D, **parts, BLOCK_M=bm, STAGES=stages, LOGITS_STORED=self.stored_logits))
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
-        dqg = torch.empty(2, d, dtype=torch.float32, device=grad_out.device)
         lead = j in self.gather_lead and not self.following
-        grid, bm, warps, stages, parts = self.launch["gather_lead" if lead else "gather"]
-        (pair_blocks,), bmp, _, _, pair_parts = self.launch["pairs"]   # + the pair pass of pairs (j, 0 .. j-2-lead)
-        self.launcher.launch(_chain_bwd_gather, ("gather", lead, self.following),
-                             (grid[0] + pair_blocks * max(0, j - 1 - lead),), warps, (q, g),
-                             dict(Q=q, G=g, DS=ds, DQG=dqg, j=j), lambda: dict(
-            S=self.S, R=self.R, W=self.W, GB=self.GB, PART=self.PART, PART2=self.PART2, TICKET=self.TICKET, DL=self.DA,
-            AL=self.LG, KP=self.KP, LSE=self.LSE, C=self.C, PACC=self.PACC, PK=self.PK, M=M, n_sites=self.N,
-            n_blocks=self.n_blocks, K=self.K, n_main=grid[0], inv_dm=1.0 / d, DM=d, H=H, D=self.D, **parts, BLOCK_M=bm,
-            STAGES=stages, TWO_LEVEL=self.K > 1, LEAD=lead, FOLLOW=self.following, **pair_parts, BLOCK_MP=bmp))
+        bm, warps, stages, shape = self.gather_launch[lead]
+        self.launcher.launch(_gather_bwd, ("gather", lead, self.following), (triton.cdiv(M, bm),), warps,
+                             (grad_out, ds), dict(GIN=grad_out, DS=ds, j=j), lambda: dict(
+            S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, LG=self.LG, GB=self.GB, CL=self.CL, DLR=self.DLR,
+            PACC=self.PACC, PK=self.PK, M=M, N=N, inv_dm=1.0 / d, **shape, BLOCK_M=bm, STAGES=stages, LEAD=lead,
+            FOLLOW=self.following, LOGITS_STORED=self.stored_logits))
         self.next_bwd, self.following = j - 1, lead
-        return ds, dqg[0].to(q.dtype), dqg[1].to(g.dtype)
+        if j > 1:
+            return ds, None, None
+        # the last site: every pair's dlogit r_n is in DLR, so dw's product runs once over every pair, then dw_j = the
+        # sum over splits, then over site j's pairs (fixed order)
+        bj, bt, bc, splits, warps = self.dw_launch
+        per_split = triton.cdiv(triton.cdiv(M, splits), bt) * bt
+        self.launcher.launch(_dw_terms, ("dw",), (H * triton.cdiv(self.D, bc), N * triton.cdiv(N, bj), splits), warps, (),
+                             {}, lambda: dict(
+            DLR=self.DLR, S=self.S, PDW=self.PDW, N=N, M=M, tokens_per_split=per_split, P1=self.PDW.size(1), DM=d, H=H,
+            D=self.D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc, PRECISION=self.dw_precision))
+        dw = self.PDW.sum(0)[self.SITE_PAIRS].sum(1)   # [N, d]
+        queries, gains = self.live
+        dq, dg = dw * torch.stack(gains).float(), dw * torch.stack(queries).float()
+        return ds, None, None, *[x.to(q.dtype) for x, q in zip(dq, queries)], *[x.to(g.dtype) for x, g in zip(dg, gains)]
 
 
 class _RouteSite(torch.autograd.Function):
@@ -655,38 +545,23 @@ class _RouteSite(torch.autograd.Function):
 
 
 class FusedRouter:
-    """One per model: start() returns a pass's chain, whose route() runs a site. config: a RoutingConfig or config_for."""
+    """One per model: start() returns a pass's chain, whose route() runs a site. config: a RoutingConfig (None:
+    config_for the width); chain: the chain class, RoutingChain or block routing's (model.fused_router chooses)."""
 
-    def __init__(self, n_sites, heads, eps, config=None, blocks=None):
-        self.N, self.H, self.eps, self.config, self.chain, self.blocks = n_sites, heads, eps, config, None, blocks
-
-    def _chain_for(self, d, tokens, training):
-        """The chain class of a pass and its launch settings: a training pass takes the gather backward where the
-        settings ask for it and it has at least gather_min_tokens tokens, else the site pass's."""
-        cfg = self.config or config_for(d, self.H)
-        if self.blocks:   # block routing (route_blocks): routing_block.py, which imports this module
-            from routing_block import BlockChain
-            return functools.partial(BlockChain, blocks=self.blocks), cfg
-        if training and cfg.backward == "gather":
-            if tokens >= cfg.gather_min_tokens:
-                from routing_gather import GatherChain   # (it imports this module)
-                return GatherChain, cfg
-            cfg = replace(cfg, backward="site")
-        return RoutingChain, cfg
+    def __init__(self, n_sites, heads, eps, config=None, chain=RoutingChain):
+        self.N, self.H, self.eps, self.config, self.make, self.chain = n_sites, heads, eps, config, chain, None
 
     def start(self, x, queries=None, gains=None):
-        """The chain of a pass from x (B, T, d); queries, gains (every site's, in order) let sites lead (lead_schedule)."""
+        """The chain of a pass from x (B, T, d); queries, gains: every site's, in order (a training pass needs them)."""
         (B, T, d), c = x.shape, self.chain
         if not torch.is_grad_enabled():
-            chain, cfg = self._chain_for(d, B * T, False)
-            c = chain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, False, cfg)
+            c = self.make(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, False, self.config)
         elif c is not None and c.pending():
             raise RuntimeError("fused routing: a second forward started before the first forward's backward (one depth "
                                "history per model): call backward first, evaluate under torch.no_grad(), or use "
                                "routing_impl='reference'")
         elif c is None or (c.M, c.d, c.dtype, c.R.device) != (B * T, d, x.dtype, x.device):
             self.chain = None   # free the old buffers before allocating new ones
-            chain, cfg = self._chain_for(d, B * T, True)
-            c = self.chain = chain(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True, cfg)
+            c = self.chain = self.make(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True, self.config)
         c.reset(queries, gains)
         return c

@@ -58,14 +58,16 @@ import convert  # noqa: E402
 import eval as evaluate  # noqa: E402
 import prepare_data  # noqa: E402
 import sample  # noqa: E402
+import bench_routing  # noqa: E402
 import routing_call  # noqa: E402
+import routing_config as rc  # noqa: E402
 import routing_kernel as rk  # noqa: E402
 import train  # noqa: E402
 import checkpoint  # noqa: E402
 import graphs  # noqa: E402
-from bench import run_chain  # noqa: E402   (N routing sites with a sublayer between them, like a model's)
+from bench_routing import run_chain  # noqa: E402   (N routing sites with a sublayer between them, like a model's)
 from graphs import DecodeGraph  # noqa: E402
-from model import GPT, BlockDepthHistory, GPTConfig, peak_flops, route_reference  # noqa: E402
+from model import GPT, BlockDepthHistory, GPTConfig, fused_router, peak_flops, route_reference  # noqa: E402
 from generation import KVCache  # noqa: E402
 
 
@@ -556,15 +558,16 @@ def test_auto_routing_picks_reference_on_cpu_and_says_so(capsys):
 
 
 # =====================================================================================================================
-# routing_kernel.py: the fused kernels against the reference (CPU: Triton's interpreter)
+# routing_call.py, routing_kernel.py, routing_config.py: the fused kernels against the reference (CPU: Triton's
+# interpreter)
 # =====================================================================================================================
 
-SMALL_BLOCKS = rk.RoutingConfig(max_block_m=16)   # many token blocks per launch, the last one partial
+SMALL_BLOCKS = rc.RoutingConfig(max_block_m=16)   # many token blocks per launch, the last one partial
 
 
 def chain_grads(impl, src0, qs, gs, shift, up, H, dtype, config=None):
-    """N routing sites with tanh sublayers between them: out and every gradient (float64), bench.chain_grads."""
-    return bench.chain_grads(impl, src0.to(dtype), qs, gs, lambda j, x: torch.tanh(x) + shift[j].to(x.dtype), up, H,
+    """N routing sites with tanh sublayers between them: out and every gradient (float64), bench_routing.chain_grads."""
+    return bench_routing.chain_grads(impl, src0.to(dtype), qs, gs, lambda j, x: torch.tanh(x) + shift[j].to(x.dtype), up, H,
                              config)
 
 
@@ -734,41 +737,23 @@ def test_fused_routing_matches_reference(N, B, T, d, H, dtype):
     check_fused_chain(N, B, T, d, H, dtype, SMALL_BLOCKS)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_routing_no_kernel_split(dtype):
-    """The one-part code path of the forward and the site pass (a head of width 28 padded to 32 lanes), which
-    power-of-two head widths take; by default a width of 28 runs as two parts (16 + 12)."""
-    check_fused_chain(4, 2, 19, 112, 4, dtype, rk.RoutingConfig(max_block_m=16, split=()))
-
-
-@pytest.mark.parametrize("d", [96, 112])   # 112: heads of 28 as two column parts (16 + 12)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_routing_stored_logits(d, dtype):
-    """stored_logits: the forward stores every (site, source) logit and the backward site pass loads it (without it,
-    as in the tests above, the site pass recomputes it). Only training passes store them."""
-    config = rk.RoutingConfig(max_block_m=16, stored_logits=True)
-    assert rk.RoutingChain(3, 10, d, 4, 1e-6, torch.float32, DEVICE, training=True, config=config).stored_logits
-    assert not rk.RoutingChain(3, 10, d, 4, 1e-6, torch.float32, DEVICE, training=False, config=config).stored_logits
-    check_fused_chain(5, 2, 19, d, 4, dtype, config)
-
-
 def test_fused_routing_config_for_and_launch():
     """config_for gives a tuned width its table entry and every other width DEFAULT; a chain launches each kernel with
     its config's (tile, warps, stages), and a custom config is what runs."""
-    for (d, H), tuned in rk.TUNED_H200.items():
-        cfg = rk.config_for(d, H)
-        assert all(getattr(cfg, k) == v for k, v in tuned.items()) and cfg.call_site == rk.DEFAULT.call_site
-    assert rk.config_for(96, 4) is rk.DEFAULT and rk.config_for(512, 8) is rk.DEFAULT
-    config = rk.RoutingConfig(max_block_m=16, site=(1024, 2, 2), pairs=(256, 1, 1))
-    mine = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True, config=config).launch
-    default = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True).launch
-    assert mine["site"][2:4] == (2, 2) and mine["pairs"][2:4] == (1, 1) and mine["fwd"][2:4] == rk.DEFAULT.fwd[1:]
-    assert default["site"][2:4] == rk.DEFAULT.site[1:]
+    for (d, H), tuned in rc.TUNED_H200.items():
+        cfg = rc.config_for(d, H)
+        assert all(getattr(cfg, k) == v for k, v in tuned.items()) and cfg.call_site == rc.DEFAULT.call_site
+    assert rc.config_for(96, 4) is rc.DEFAULT and rc.config_for(512, 8) is rc.DEFAULT
+    config = rc.RoutingConfig(max_block_m=16, fwd=(1024, 2, 2), gather=(256, 1, 1))
+    mine = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True, config=config)
+    default = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True)
+    assert mine.fwd_launch[False][2:4] == (2, 2) and mine.gather_launch[False][1:3] == (1, 1)
+    assert default.fwd_launch[False][2:4] == rc.DEFAULT.fwd[1:] and default.gather_launch[True][1:3] == rc.DEFAULT.gather_lead[1:]
     check_fused_chain(5, 1, 33, 96, 4, torch.float32, config)
 
 
 def test_fused_routing_announces_its_config():
-    code = ("import torch, routing_kernel as rk; c = rk.RoutingConfig(max_block_m=16, reducers=3); "
+    code = ("import torch, routing_config as rc, routing_kernel as rk; c = rc.RoutingConfig(max_block_m=16, lead_min=3); "
             "[rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, 'cpu', True, c) for _ in range(2)]; "
             "rk.RoutingChain(3, 10, 512, 4, 1e-6, torch.float32, 'cpu', True)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
@@ -776,38 +761,19 @@ def test_fused_routing_announces_its_config():
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("fused routing")]
     assert len(lines) == 2, r.stderr   # once per config and width
-    assert "(d=96, H=4): launch config 'default' (reducers=3, max_block_m=16)" in lines[0]
-    assert "launch config 'H200 d=512 H=4'" in lines[1] and "stored_logits=True" in lines[1]
+    assert "(d=96, H=4): launch config 'default' (lead_min=3, max_block_m=16)" in lines[0]
+    assert "launch config 'H200 d=512 H=4'" in lines[1] and "fwd_lead_sites=2" in lines[1]
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not rk.DIRECT_OK, reason="direct launches: CUDA and Triton >= 3.4 only")
-@pytest.mark.parametrize("backward", ["site", "gather"])
-def test_fused_direct_launches_match_tritons(backward):
+def test_fused_direct_launches_match_tritons():
     """After a launch key's first launch, routing_config.Launcher calls the compiled kernel's launcher itself: the chain's
     output and every gradient are bitwise those of Triton's own launch path (leading and following sites included)."""
     N, B, T, d, H = 13, 2, 40, 128, 4
     src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=5)
     runs = [chain_grads("fused", src0, qs, gs, shift, up, H, torch.bfloat16,
-                        rk.RoutingConfig(direct=direct, lead_min=2, backward=backward)) for direct in (False, True)]
+                        rc.RoutingConfig(direct=direct, lead_min=2)) for direct in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-@pytest.mark.parametrize("split", [1, 3, 4])   # 74 tokens, 16 per block: 5 partial rows in chunks of 5, 2 + 2 + 1, 2 + 2 + 1 + 0
-def test_fused_routing_dw_reduction_split(split):
-    """The gather reduces the site pass's dw partials in two levels (`reducers` first-level programs per head, the
-    last to finish sums their rows): any split, chunks uneven or empty, gives the reference's dq and dg, and the
-    per-head tickets are back at 0 after every launch."""
-    config = rk.RoutingConfig(max_block_m=16, reducers=split)
-    check_fused_chain(5, 2, 37, 96, 4, torch.float32, config)
-    chain = rk.RoutingChain(5, 74, 96, 4, 1e-6, torch.float32, DEVICE, training=True, config=config)
-    assert chain.K == split and chain.n_blocks == 5
-    s0 = torch.randn(2, 37, 96, device=DEVICE, requires_grad=True)
-    q = [torch.randn(96, device=DEVICE, requires_grad=True) for _ in range(5)]
-    g = [torch.ones(96, device=DEVICE, requires_grad=True) for _ in range(5)]
-    chain.reset(q, g)
-    out = run_chain(lambda j, x: chain.route(j, x, q[j - 1], g[j - 1]), s0, 5, lambda j, x: torch.tanh(x))
-    out.sum().backward()
-    assert chain.TICKET.tolist() == [0] * 4
 
 
 def led_outputs(N, dtype, config):
@@ -831,45 +797,42 @@ def led_outputs(N, dtype, config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_routing_shared_reads(least, dtype):
     """Neighbouring sites sharing reads (lead_schedule): a forward that also runs the next site's softmax over the
-    older sources and one that resumes it, a gather that also sums the previous source's gradients and one that
-    starts from them; with stored logits and heads of two column parts in every kernel. The forward is the same
-    arithmetic as one launch per site, so its output is bitwise the unpaired one, in training and under no_grad."""
-    config = rk.RoutingConfig(max_block_m=16, stored_logits=True, split=("fwd", "site", "gather"), lead_min=least)
-    fwd, gather = rk.lead_schedule(7, least)
+    older sources and one that resumes it, a gather that also sums the previous source's terms on every gradient tile
+    it loads and hands them on, and the next gather that starts from them and reads only its own gradient; heads of two
+    column parts (28 = 16 + 12 masked), a single head. The forward is the same arithmetic as one launch per site, so
+    its output is bitwise the unpaired one, in training and under no_grad."""
+    config = rc.RoutingConfig(max_block_m=16, lead_min=least)
+    fwd, gather = rc.lead_schedule(7, least)
     assert (fwd, gather) == (({2, 4, 6}, {2, 4, 6}) if least == 1 else ({4, 6}, {2, 4}))
     check_fused_chain(7, 2, 19, 112, 4, dtype, config)
+    check_fused_chain(6, 2, 5, 40, 1, dtype, config)
     outs, chain = led_outputs(7, dtype, config)
-    assert chain.fwd_lead == fwd and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert chain.fwd_lead == fwd and chain.gather_lead == gather and chain.gather_launch[True][0] >= 1
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("sites", [2, 3])
-@pytest.mark.parametrize("backward", ["site", "gather"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_routing_wider_lead(sites, backward, dtype):
-    """A leading forward that runs the next 2 or 3 sites' softmax (fwd_lead_sites): the sites it leads resume their
-    states and read only the sources since; every pair's logit stored for either backward (heads of two column parts).
-    Against the reference, and bitwise the unpaired forward's output, in training and under no_grad (on a GPU this
-    also checks that a led site's distance from its leader reaches the compiled kernel: direct launches)."""
-    config = rk.RoutingConfig(max_block_m=16, stored_logits=True, gather_logits=True, split=("fwd", "site", "gather"),
-                              lead_min=1, fwd_lead_sites=sites, backward=backward)
+def test_fused_routing_wider_lead(dtype):
+    """A leading forward that runs the next 2 sites' softmax (fwd_lead_sites): the sites it leads resume their states
+    and read only the sources since; every pair's logit stored (heads of two column parts). Against the reference, and
+    bitwise the unpaired forward's output, in training and under no_grad (on a GPU this also checks that a led site's
+    distance from its leader reaches the compiled kernel: direct launches)."""
+    config = rc.RoutingConfig(max_block_m=16, stored_logits=True, lead_min=1, fwd_lead_sites=2)
     check_fused_chain(9, 2, 19, 112, 4, dtype, config)
     outs, chain = led_outputs(9, dtype, config)
-    assert chain.fwd_lead == ({7, 4, 1} if sites == 2 else {6, 2})
+    assert chain.fwd_lead == {7, 4, 1}
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    with pytest.raises(ValueError, match="fwd_lead_sites=4"):
-        rk.RoutingConfig(fwd_lead_sites=4)
-
-
-GATHER = rk.RoutingConfig(max_block_m=16, backward="gather")
+    with pytest.raises(ValueError, match="fwd_lead_sites=3"):
+        rc.RoutingConfig(fwd_lead_sites=3)
 
 
 @pytest.mark.parametrize("N,T,d,H", [(5, 19, 96, 4), (4, 7, 40, 1), (6, 5, 112, 4), (3, 9, 48, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gather_backward_matches_reference(N, T, d, H, dtype):
-    """The gather backward (routing_gather.py: no site pass, dw by a product over the tokens, every dq and dg at site 1):
-    out and every gradient against the reference; heads of two column parts (24 = 16 + 8, 40 = 32 + 8, 28 as 16 + 16
-    masked), of one (16), a single head, three heads (padded to 4)."""
-    check_fused_chain(N, 2, T, d, H, dtype, GATHER)
+    """The chain's backward (one gather a site, dw by a product over the tokens, every dq and dg at site 1): out and
+    every gradient against the reference; heads of two column parts (24 = 16 + 8, 40 = 32 + 8, 28 as 16 + 16 masked),
+    of one (16), a single head, three heads (padded to 4)."""
+    check_fused_chain(N, 2, T, d, H, dtype, SMALL_BLOCKS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -877,10 +840,9 @@ def test_fused_gather_backward_dw_programs(dtype):
     """dw's product, one launch over every pair once the gathers are done: a source read by more sites than a program's
     block (37 sites, blocks of 32: a second block, empty for the later sources) and tokens in several splits (1,030
     tokens: three, the last one short), against the reference."""
-    from routing_gather import dw_launch
-    assert dw_launch(37, 6, 2, 16)[0] < 37 and dw_launch(3, 1030, 2, 16)[3] == 3
-    check_fused_chain(37, 2, 3, 32, 2, dtype, GATHER)
-    check_fused_chain(3, 1, 1030, 32, 2, dtype, GATHER)
+    assert rk.dw_launch(37, 6, 2, 16)[0] < 37 and rk.dw_launch(3, 1030, 2, 16)[3] == 3
+    check_fused_chain(37, 2, 3, 32, 2, dtype, SMALL_BLOCKS)
+    check_fused_chain(3, 1, 1030, 32, 2, dtype, SMALL_BLOCKS)
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32x2"])
@@ -889,22 +851,21 @@ def test_fused_gather_backward_dw_product_precision(precision):
     splits: "tf32x2" (what 16-bit sources get on tensor cores: dw_precision) splits the fp32 dlogit r_n into its tf32
     bits and the rest; without the rest it would be off by ~2^-11."""
     import triton
-    import routing_gather as rg
     if precision == "tf32x2" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("tf32 products need sm_80+")
-    assert rg.dw_precision(torch.bfloat16, "cpu") == "ieee"
-    if DEVICE == "cuda" and not rk.INTERPRET and torch.cuda.get_device_capability() >= (8, 0):
-        assert [rg.dw_precision(x, DEVICE) for x in (torch.bfloat16, torch.float16, torch.float32)] == \
+    assert rk.dw_precision(torch.bfloat16, "cpu") == "ieee"
+    if DEVICE == "cuda" and not rc.INTERPRET and torch.cuda.get_device_capability() >= (8, 0):
+        assert [rk.dw_precision(x, DEVICE) for x in (torch.bfloat16, torch.float16, torch.float32)] == \
             ["tf32x2", "tf32x2", "tf32x3"]
     N, M, H, D = 4, 1100, 2, 16
     d, P = H * D, N * (N + 1) // 2
     g = torch.Generator().manual_seed(0)
     dlr = (torch.randn(P, H, M, generator=g) * torch.logspace(-3, 3, M)).to(DEVICE)   # magnitudes over 6 decades
     s = torch.randn(N, M, d, generator=g).to(torch.bfloat16).to(DEVICE)
-    bj, bt, bc, splits, warps = rg.dw_launch(N, M, H, D)
+    bj, bt, bc, splits, warps = rk.dw_launch(N, M, H, D)
     pdw = torch.zeros(splits, P + 1, d, device=DEVICE)
     per_split = triton.cdiv(triton.cdiv(M, splits), bt) * bt
-    rg._dw_terms[(H * triton.cdiv(D, bc), N * triton.cdiv(N, bj), splits)](
+    rk._dw_terms[(H * triton.cdiv(D, bc), N * triton.cdiv(N, bj), splits)](
         dlr, s, pdw, N, M, per_split, P + 1, DM=d, H=H, D=D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc, PRECISION=precision,
         num_warps=warps)
     got = pdw.sum(0)[:P].double().cpu()
@@ -913,90 +874,58 @@ def test_fused_gather_backward_dw_product_precision(precision):
     assert splits > 1 and rel_err(got, want) < 4e-6, rel_err(got, want)
 
 
-@pytest.mark.parametrize("least", [1, 3])   # 1: every other site leads; 3: some lead, some run alone
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_gather_backward_shared_reads(least, dtype):
-    """Read sharing in the gather backward: a leading gather also sums the previous source's terms on every gradient
-    tile it loads and hands them on; the next site's gather starts from them and reads only its own gradient."""
-    config = rk.RoutingConfig(max_block_m=16, backward="gather", lead_min=least)
-    check_fused_chain(7, 2, 19, 112, 4, dtype, config)
-    check_fused_chain(6, 2, 5, 40, 1, dtype, config)
-    x = torch.randn(2, 3, 112, device=DEVICE, requires_grad=True)
-    qs, gs = [torch.zeros(112, device=DEVICE)] * 7, [torch.ones(112, device=DEVICE)] * 7
-    chain = rk.FusedRouter(7, 4, 1e-6, config).start(x, qs, gs)
-    assert chain.gather_lead == ({2, 4, 6} if least == 1 else {2, 4}) and chain.gather_launch[True][0] >= 1
-
-
 @pytest.mark.parametrize("least", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_gather_backward_stored_logits(least, dtype):
-    """gather_logits: the forward stores every pair's logit (site-major) and the gathers, leading, following and alone,
+def test_fused_routing_stored_logits(least, dtype):
+    """stored_logits: the forward stores every pair's logit (site-major) and the gathers, leading, following and alone,
     load it instead of recomputing it: a single head over two column parts, four heads, one-token programs, against
-    the reference; without it the forward stores none."""
-    config = rk.RoutingConfig(max_block_m=16, backward="gather", lead_min=least, gather_logits=True)
+    the reference; without it, or in a pass without a backward, the forward stores none."""
+    config = rc.RoutingConfig(max_block_m=16, lead_min=least, stored_logits=True)
     check_fused_chain(6, 2, 5, 40, 1, dtype, config)
     check_fused_chain(7, 2, 19, 112, 4, dtype, config)
-    check_fused_chain(5, 1, 7, 96, 1, dtype, rk.RoutingConfig(max_block_m=1, backward="gather", lead_min=least,
-                                                               gather_logits=True))
+    check_fused_chain(5, 1, 7, 96, 1, dtype, rc.RoutingConfig(max_block_m=1, lead_min=least, stored_logits=True))
     x = torch.randn(2, 3, 112, device=DEVICE, requires_grad=True)
     qs, gs = [torch.zeros(112, device=DEVICE)] * 7, [torch.ones(112, device=DEVICE)] * 7
-    for cfg, stored in ((config, True), (GATHER, False)):
+    for cfg, stored in ((config, True), (SMALL_BLOCKS, False)):
         chain = rk.FusedRouter(7, 4, 1e-6, cfg).start(x, qs, gs)
         assert chain.stored_logits == stored and (chain.LG.shape == (28, 4, 6)) == stored
+    assert not rk.RoutingChain(3, 10, 112, 4, 1e-6, torch.float32, DEVICE, training=False, config=config).stored_logits
 
 
-@pytest.mark.parametrize("backward", ["site", "gather"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_chain_one_token_programs(backward, dtype):
-    """One token a program (what the one-warp tiles TUNED_H200 ships give at d >= 512 on a GPU): both backwards, read
-    sharing on, a single head and four heads, against the reference."""
-    config = rk.RoutingConfig(max_block_m=1, backward=backward, lead_min=1)
+def test_fused_chain_one_token_programs(dtype):
+    """One token a program (what the one-warp tiles TUNED_H200 ships give at d >= 512 on a GPU): read sharing on, a
+    single head and four heads, against the reference."""
+    config = rc.RoutingConfig(max_block_m=1, lead_min=1)
     check_fused_chain(5, 2, 7, 40, 1, dtype, config)
     check_fused_chain(4, 1, 5, 96, 4, dtype, config)
 
 
-def test_fused_gather_backward_from_min_tokens():
-    """backward="gather" runs from gather_min_tokens tokens a pass; a smaller pass takes the site pass's backward with
-    that design's read sharing (gather_lead None here: none, though gather_bwd_lead is set); both match the reference.
-    bench's forced backward runs at every token count."""
-    config = rk.RoutingConfig(max_block_m=16, backward="gather", lead_min=1, gather_lead=None, gather_min_tokens=14)
-    qs, gs = [torch.zeros(40, device=DEVICE)] * 5, [torch.ones(40, device=DEVICE)] * 5
-    for T, kind in ((5, "RoutingChain"), (7, "GatherChain")):   # 10 tokens, then 14
-        check_fused_chain(5, 2, T, 40, 1, torch.float32, config)
-        x = torch.randn(2, T, 40, device=DEVICE, requires_grad=True)
-        chain = rk.FusedRouter(5, 1, 1e-6, config).start(x, qs, gs)
-        assert type(chain).__name__ == kind and chain.config.backward == ("site" if T == 5 else "gather")
-        assert chain.gather_lead == (frozenset() if T == 5 else {2, 4})
-    forced = bench.forced_backward(512, 4, "gather")
-    assert forced.backward == "gather" and forced.gather_min_tokens == 0
-
-
 @pytest.mark.parametrize("mode,H,logits", [("mhar", 2, False), ("attnres", None, False), ("attnres", None, True)])
 def test_fused_gather_backward_in_a_model(mode, H, logits):
-    """The gather backward in a model, with route_scale 0.5 (its gains are not leaves), the single head also with
-    stored logits: logits and every parameter gradient match the reference, and a second backward gives bitwise the
-    same gradients."""
-    config = rk.RoutingConfig(max_block_m=16, backward="gather", gather_logits=logits)
+    """The chain in a model, with route_scale 0.5 (its gains are not leaves), the single head also with stored
+    logits: logits and every parameter gradient match the reference, and a second backward gives bitwise the same
+    gradients."""
+    config = rc.RoutingConfig(max_block_m=16, stored_logits=logits)
     fused = fused_model_vs_reference(residual=mode, route_heads=H, route_scale=0.5, routing_config=config)
-    assert type(fused._router.chain).__name__ == "GatherChain"
+    assert type(fused._router.chain) is rk.RoutingChain
     assert_backward_repeats_bitwise(fused, torch.randint(0, 96, (2, 19), device=DEVICE))
 
 
 def test_fused_gather_backward_needs_every_query():
     """Site 1's backward returns every site's dq and dg, so a chain started without them refuses the first site."""
     x = torch.randn(1, 3, 32, device=DEVICE, requires_grad=True)
-    chain = rk.FusedRouter(2, 2, 1e-6, GATHER).start(x)
+    chain = rk.FusedRouter(2, 2, 1e-6, SMALL_BLOCKS).start(x)
     with pytest.raises(RuntimeError, match=r"start the chain with every site's queries and gains"):
         chain.route(1, x, torch.zeros(32, device=DEVICE, requires_grad=True), torch.ones(32, device=DEVICE))
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not os.environ.get("MHAR_SLOW_TESTS"),
                     reason="145 sites take ~4 min in Triton's CPU interpreter: runs on CUDA or with MHAR_SLOW_TESTS=1")
-@pytest.mark.parametrize("backward", ["site", "gather"])
-def test_fused_routing_145_sources(backward):
+def test_fused_routing_145_sources():
     N, B, T, d, H = 145, 1, 3, 32, 2
     src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=145)
-    fused = chain_grads("fused", src0, qs, gs, shift, up, H, torch.float32, rk.RoutingConfig(backward=backward))
+    fused = chain_grads("fused", src0, qs, gs, shift, up, H, torch.float32)
     ref = chain_grads("reference", src0, qs, gs, shift, up, H, torch.float32)
     for name, a, b in zip(["out", "d_source", "dq", "dg"], fused, ref):
         assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
@@ -1032,7 +961,7 @@ def test_fused_model_shared_reads():
     """model.py hands the router every site's query and gain: with every other site leading (forward and gather),
     the fused model still matches the reference (fails if a leading site reads its own query for the next site)."""
     chain = fused_model_vs_reference(residual="mhar", route_heads=2,
-                                     routing_config=rk.RoutingConfig(lead_min=1))._router.chain
+                                     routing_config=rc.RoutingConfig(lead_min=1))._router.chain
     assert chain.fwd_lead == {2, 4} and chain.gather_lead == {2, 4}   # 2 layers: 5 sites
 
 
@@ -1076,16 +1005,16 @@ def test_fused_contract_errors():
     with pytest.raises(RuntimeError, match="backward already finished"):   # a second backward through one graph
         loss.backward()
     # a loss built from an intermediate routing output: backward starts at the wrong site
-    chain = fused._router.start(fused.wte(idx))
     sites = fused.routing_sites()
     x = fused.wte(idx)
+    chain = fused._router.start(x, [s.q for s in sites], [s.g for s in sites])
     h1 = chain.route(1, x, sites[0].q, sites[0].g)
     h2 = chain.route(2, h1 * 2, sites[1].q, sites[1].g)
     with pytest.raises(RuntimeError, match="backward reached site 2, expected"):
         h2.sum().backward()
     # a routing call inside activation checkpointing runs a site's forward during backward
     fused._router.chain = None
-    chain = fused._router.start(x)
+    chain = fused._router.start(x, [s.q for s in sites], [s.g for s in sites])
     n = len(sites)
 
     def checkpointed(inp, j):
@@ -1099,9 +1028,9 @@ def test_fused_contract_errors():
 
 def test_fused_envelope_errors():
     with pytest.raises(ValueError, match=r"head width d/H = 48/4 = 12 is below 16"):
-        rk.check_envelope(48, 4, torch.bfloat16)
+        rc.check_envelope(48, 4, torch.bfloat16)
     with pytest.raises(ValueError, match="float64.*routing_impl='reference'"):
-        rk.check_envelope(64, 2, torch.float64)
+        rc.check_envelope(64, 2, torch.float64)
 
 
 def test_fused_falls_back_loudly_without_triton_device():
@@ -2517,7 +2446,7 @@ def test_bench_smoke(tmp_path):
     assert [row["variant"] for row in rows] == list(bench.VARIANTS)
     assert all(row["tok_s"] > 0 and math.isfinite(row["loss"]) for row in rows)
     assert "| baseline | 1.00x" in r.stdout
-    assert unknown.returncode != 0 and "unknown scale/variant ['2b']" in unknown.stderr
+    assert unknown.returncode != 0 and "unknown scale ['2b']" in unknown.stderr
     for bad in (["--new=0"], ["--batch=1,x"], ["--prompt=-3"]):
         with pytest.raises(SystemExit, match="must be positive integers"):
             bench.generate_main(["--scale=tiny", "--device=cpu", *bad])
@@ -2538,20 +2467,22 @@ def test_bench_scales_are_the_configs_shapes():
     assert (w["block_size"], w_micro) == (b["block_size"], b_micro) == (2048, 8)
 
 
-def test_tune_times_each_backward_kernel_under_its_backward(monkeypatch):
-    """--tune-train's coordinate descent: a site-pass kernel is timed with the site pass running, a gather-backward
-    kernel (and gather_logits) with that backward, and "backward" (tuned last) picks the faster of the two."""
+def test_tune_picks_each_settings_best():
+    """--tune-train's coordinate descent (routing_config.tune) from the width's entry: each setting's candidates timed
+    with the settings found so far, the fastest kept; a _lead setting may also be None (no sharing); a candidate that
+    fails to launch is skipped."""
     trials = []
 
-    def fake_time(impl, N, B, T, d, H, device, ref=None, graph=False, config=None, blocks=None):
-        trials.append(config.backward)   # the gather backward faster; site tile (4096, 4, 3), stored logits faster
-        return 1.0 + 0.5 * (config.backward == "site") + 0.1 * (config.site != (4096, 4, 3)) - 0.05 * (
-            config.gather_logits), 0.0
-    monkeypatch.setattr(bench, "time_chain", fake_time)
-    (cfg,) = bench.tune_configs(["site", "gather_bwd", "gather_logits", "backward"], [("tiny-train", 2, 64, 4, 1, 16)],
-                                True, "cpu", candidates=[(1024, 2, 3), (4096, 4, 3)])
-    assert trials == ["site", "site", "gather", "gather", "gather", "gather", "site", "gather"]
-    assert cfg.site == (4096, 4, 3) and cfg.gather_logits and cfg.backward == "gather"
+    def fake_time(cfg, L, d, H, B, T):
+        trials.append((cfg.gather, cfg.gather_lead, cfg.stored_logits))
+        if cfg.gather_lead == (4096, 4, 3):
+            raise RuntimeError("out of resources")
+        return 1.0 + 0.5 * (cfg.gather != (4096, 4, 3)) + 0.1 * (cfg.gather_lead is not None) - 0.05 * cfg.stored_logits
+    (cfg,) = rc.tune(["gather", "gather_lead", "stored_logits"], [("tiny-train", 2, 64, 4, 1, 16)], fake_time,
+                     candidates=[(1024, 2, 3), (4096, 4, 3)])
+    assert [t[0] for t in trials] == [(1024, 2, 3), (4096, 4, 3)] + [(4096, 4, 3)] * 5
+    assert [t[1] for t in trials[2:5]] == [(1024, 2, 3), (4096, 4, 3), None]
+    assert (cfg.gather, cfg.gather_lead, cfg.stored_logits) == ((4096, 4, 3), None, True)
 
 
 def test_bench_routing_blocks_option(monkeypatch):
@@ -2564,52 +2495,42 @@ def test_bench_routing_blocks_option(monkeypatch):
                                        r"72\): give a divisor of 24"),
                       (["--blocks=0"], r"--blocks=0 must divide"),
                       (["--blocks=8", "--tune-train=fwd"], r"one of block_fwd, block_bwd, block_waves$"),
+                      (["--tune-train=site"], r"one of fwd, fwd_lead, fwd_lead_sites, gather, gather_lead, stored_logits$"),
                       (["--blocks=8", "--delta"], r"--blocks times this repo's block chain alone: drop --authors")):
         with pytest.raises(SystemExit, match=msg):
-            bench.routing_main(argv)
+            bench_routing.main(argv)
     for n in (5, 0):   # the chain itself refuses blocks of unequal length
         with pytest.raises(ValueError, match=rf"blocks={n} must be a positive divisor of the 12 sublayers \(13 sites\)"):
             BlockChain(13, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=n)
     for N, n in ((49, 8), (73, 8), (25, 4), (13, 12)):
         chain = BlockChain(N, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=n)
-        assert bench.chain_pairs(N, n) == sum(chain.sources(j)[0] for j in range(1, N + 1)), (N, n)
-    assert bench.chain_pairs(13, 12) == bench.chain_pairs(13) == 13 * 14 // 2   # one sublayer a block: full routing
+        assert bench_routing.chain_pairs(N, n) == sum(chain.sources(j)[0] for j in range(1, N + 1)), (N, n)
+    assert bench_routing.chain_pairs(13, 12) == bench_routing.chain_pairs(13) == 13 * 14 // 2   # one sublayer a block: full routing
     # each design's byte floor: full routing 2 passes a pair + 5 a site; block routing c + 3 forward, 3c + 2 backward
-    assert bench.chain_bytes(13, 10, 32) == (2 * 91 + 5 * 13) * 2 * 10 * 32
+    assert bench_routing.chain_bytes(13, 10, 32) == (2 * 91 + 5 * 13) * 2 * 10 * 32
     chain = BlockChain(25, 4, 32, 2, 1e-6, torch.float32, "cpu", False, blocks=4)
-    assert bench.chain_bytes(25, 10, 32, 4) == sum(4 * chain.sources(j)[0] + 5 for j in range(1, 26)) * 2 * 10 * 32
+    assert bench_routing.chain_bytes(25, 10, 32, 4) == sum(4 * chain.sources(j)[0] + 5 for j in range(1, 26)) * 2 * 10 * 32
     trials = []
 
-    def fake_time(impl, N, B, T, d, H, device, ref=None, graph=False, config=None, blocks=None):
-        trials.append((blocks, config.backward))
-        if (config.block_bwd, config.block_waves) == ((1024, 2, 3), 8):   # best, but not at the other's best
-            return 0.5, 0.0
-        return 1.0 + 0.1 * (config.block_bwd != (4096, 4, 3)) + 0.01 * (config.block_waves != 4), 0.0
-    monkeypatch.setattr(bench, "time_chain", fake_time)
+    def fake_time(cfg, L, d, H, B, T):
+        trials.append(cfg.block_waves)
+        if (cfg.block_bwd, cfg.block_waves) == ((1024, 2, 3), 8):   # best, but not at the other's best
+            return 0.5
+        return 1.0 + 0.1 * (cfg.block_bwd != (4096, 4, 3)) + 0.01 * (cfg.block_waves != 4)
     shape = [("tiny-train", 2, 64, 4, 1, 16)]
-    (cfg,) = bench.tune_configs(["block_waves"], shape, True, "cpu", blocks=2)   # alone: its own best at the tile
-    assert trials == [(2, rk.DEFAULT.backward)] * len(bench.BLOCK_WAVES) and cfg.block_waves == 4
+    (cfg,) = rc.tune(["block_waves"], shape, fake_time)   # alone: its own best at the tile
+    assert trials == list(rc.CHOICES["block_waves"]) and cfg.block_waves == 4
     trials.clear()   # together: the tile x waves product, where one at a time would stop at ((4096, 4, 3), 4)
-    (cfg,) = bench.tune_configs(["block_bwd", "block_waves"], shape, True, "cpu",
-                                candidates=[(1024, 2, 3), (4096, 4, 3)], blocks=2)
-    assert trials == [(2, rk.DEFAULT.backward)] * (2 * len(bench.BLOCK_WAVES))
-    assert (cfg.block_bwd, cfg.block_waves) == ((1024, 2, 3), 8)
+    (cfg,) = rc.tune(["block_bwd", "block_waves"], shape, fake_time, candidates=[(1024, 2, 3), (4096, 4, 3)])
+    assert trials == 2 * list(rc.CHOICES["block_waves"]) and (cfg.block_bwd, cfg.block_waves) == ((1024, 2, 3), 8)
 
 
 def test_tune_candidates_cover_the_configs():
-    """bench.py routing --tune / --tune-train can find every config shipped (else a retune silently drops a best)."""
-    kernels = [k for k in bench.CHAIN_KERNELS + bench.BLOCK_KERNELS if k not in ("backward", "gather_logits",
-                                                                                   "fwd_lead_sites", "block_waves")]
-    used = {getattr(rk.DEFAULT, k) for k in kernels if getattr(rk.DEFAULT, k) is not None} | {v for w in rk.TUNED_H200.values() for k, v in w.items()
-                                                        if k in kernels and v is not None}
-    assert used <= set(bench.TUNE_CANDIDATES), used - set(bench.TUNE_CANDIDATES)
-    backwards = {rk.DEFAULT.backward} | {w["backward"] for w in rk.TUNED_H200.values() if "backward" in w}
-    assert "backward" in bench.CHAIN_KERNELS and backwards <= set(bench.BACKWARDS), backwards
-    assert "gather_logits" in bench.CHAIN_KERNELS and set(bench.LOGIT_CHOICES) == {False, True}
-    sites = {rk.DEFAULT.fwd_lead_sites} | {w["fwd_lead_sites"] for w in rk.TUNED_H200.values() if "fwd_lead_sites" in w}
-    assert "fwd_lead_sites" in bench.CHAIN_KERNELS and sites <= set(bench.LEAD_SITES) == {1, 2, 3}, sites
-    waves = {rk.DEFAULT.block_waves} | {w["block_waves"] for w in rk.TUNED_H200.values() if "block_waves" in w}
-    assert "block_waves" in bench.BLOCK_KERNELS and waves <= set(bench.BLOCK_WAVES), waves
+    """bench.py routing --tune-train can find every config shipped (else a retune silently drops a best)."""
+    for name in rc.TUNABLE + rc.BLOCK_TUNABLE:
+        used = {getattr(rc.DEFAULT, name)} | {w[name] for w in rc.TUNED_H200.values() if name in w}
+        choices = rc.CHOICES.get(name, rc.CANDIDATES + ([None] if name.endswith("_lead") else []))
+        assert used <= set(choices), (name, used - set(choices))
 
 
 def test_bench_ddp_smoke(tmp_path):
@@ -2641,10 +2562,10 @@ def test_bench_authors_file_errors(tmp_path):
     """bench.py routing --authors=PATH loads the user's copy of the authors' kernel file; a wrong path or file is a
     one-line error naming it."""
     with pytest.raises(SystemExit, match="no such file"):
-        bench.load_authors(str(tmp_path / "missing.py"))
+        bench_routing.load_authors(str(tmp_path / "missing.py"))
     (tmp_path / "other.py").write_text("x = 1\n")
     with pytest.raises(SystemExit, match="has no MHARFusedContext, _FusedMHARFn"):
-        bench.load_authors(str(tmp_path / "other.py"))
+        bench_routing.load_authors(str(tmp_path / "other.py"))
 
 
 def test_bench_peers(monkeypatch, capsys):
@@ -2653,21 +2574,21 @@ def test_bench_peers(monkeypatch, capsys):
     package does (fla: query, the list of sources, key-norm weight; Liger: the stacked sources, query, weight, eps),
     checked with stand-ins that route by the reference: the chain's output is the reference's."""
     with pytest.raises(SystemExit, match=r"unknown peer 'triton'; choose from fla, liger"):
-        bench.load_peers("fla,triton")
-    package, module, call = bench.PEERS["fla"]
+        bench_routing.load_peers("fla,triton")
+    package, module, call = bench_routing.PEERS["fla"]
     with monkeypatch.context() as m:   # a stand-in fla for this check only (below: fla as this machine has it)
         m.setitem(sys.modules, module, types.SimpleNamespace(**{call: print}))
-        assert bench.load_peers("fla") == {"fla": print} and "--shapes=NAMES runs fewer" in capsys.readouterr().err
-    for name, (package, module, _) in bench.PEERS.items():
+        assert bench_routing.load_peers("fla") == {"fla": print} and "--shapes=NAMES runs fewer" in capsys.readouterr().err
+    for name, (package, module, _) in bench_routing.PEERS.items():
         if importlib.util.find_spec(module.split(".")[0]) is None:
             with pytest.raises(SystemExit, match=rf"--peers={name}: cannot import {module} .*pip install {package}"):
-                bench.load_peers(name)
+                bench_routing.load_peers(name)
     stand_ins = {"fla": lambda q, sources, g, rms_eps: route_reference(torch.stack(sources), q, g, 1, rms_eps),
                  "liger": types.SimpleNamespace(apply=lambda stacked, q, g, eps: route_reference(stacked, q, g, 1, eps))}
-    ref = bench.chain_step("reference", 4, 2, 5, 32, 1, DEVICE)
+    ref = bench_routing.chain_step("reference", 4, 2, 5, 32, 1, DEVICE)
     ref()
     for name, call in stand_ins.items():
-        step = bench.chain_step(name, 4, 2, 5, 32, 1, DEVICE, authors=call)
+        step = bench_routing.chain_step(name, 4, 2, 5, 32, 1, DEVICE, authors=call)
         step()
         assert torch.equal(step.out, ref.out), name
 
@@ -2677,7 +2598,7 @@ def test_bench_block_chain():
     chain (routing_block.py) against the reference over the same block sources; one sublayer a block is the full
     chain, bitwise."""
     N, B, T, d, H = 9, 2, 5, 32, 2
-    run = lambda impl, blocks: (lambda st: st() or st.out.float())(bench.chain_step(impl, N, B, T, d, H, DEVICE, blocks=blocks))
+    run = lambda impl, blocks: (lambda st: st() or st.out.float())(bench_routing.chain_step(impl, N, B, T, d, H, DEVICE, blocks=blocks))
     full = run("reference", None)
     assert torch.equal(run("reference", N - 1), full)
     for blocks in (1, 2, 4):
@@ -2686,7 +2607,7 @@ def test_bench_block_chain():
 
 
 @pytest.mark.parametrize("blocks,config,given", [(1, None, False), (3, None, True), (12, None, False),
-                                                 (3, rk.RoutingConfig(max_block_m=4, block_waves=1), True)])
+                                                 (3, rc.RoutingConfig(max_block_m=4, block_waves=1), True)])
 def test_block_chain_bf16_gradients(blocks, config, given):
     """Block routing's fused chain in bf16 (13 sites, d 48, H 3: awkward shapes): its output and every gradient (the
     first source's, every q and g) as close to a float64 reference as the bf16 reference itself is, the gradients
@@ -2702,7 +2623,7 @@ def test_block_chain_bf16_gradients(blocks, config, given):
     def run(impl, dtype):
         s0, q, g = (t.to(DEVICE, dtype).clone().requires_grad_(True) for t in (src, qs.to(dtype), gs.to(dtype)))
         if impl == "fused":
-            chain = rk.FusedRouter(N, H, 1e-6, config, blocks).start(s0, *((list(q), list(g)) if given else ()))
+            chain = fused_router(N, H, 1e-6, config, blocks).start(s0, *((list(q), list(g)) if given else ()))
             if DEVICE == "cpu":   # (the interpreter counts 2 multiprocessors; on a GPU, bench.py routing --blocks checks
                 assert (chain.programs, chain.tiles) == ((2, 4) if config else (1, 1))   # a shape with ~30 blocks each)
             route = lambda j, x: chain.route(j, x, q[j - 1], g[j - 1])
@@ -2725,17 +2646,17 @@ def test_bench_routing_heads_option():
     """bench.py routing --heads=H times and tunes every chain shape with H heads (1: the single head); an H that does not
     split a shape's width is a one-line error naming it before anything runs; so is an unknown --shapes name."""
     with pytest.raises(SystemExit, match=r"--heads=3 does not fit the 100M shape's width d=512"):
-        bench.routing_main(["--heads=3"])
+        bench_routing.main(["--heads=3"])
     with pytest.raises(SystemExit, match=r"--heads=64 does not fit the 100M shape's width d=512 .*d/H >= 16"):
-        bench.routing_main(["--heads=64"])
+        bench_routing.main(["--heads=64"])
     # --shapes picks the chain shapes, in the order given (1B-train's d=1280 takes 64 heads, so 100M-train is the first
     # to fail; with 3 heads 350M-train fails first); an unknown name lists the choices
     with pytest.raises(SystemExit, match=r"--heads=64 does not fit the 100M-train shape's width d=512"):
-        bench.routing_main(["--heads=64", "--shapes=1B-train, 100M-train"])
+        bench_routing.main(["--heads=64", "--shapes=1B-train, 100M-train"])
     with pytest.raises(SystemExit, match=r"--heads=3 does not fit the 350M-train shape's width d=1024"):
-        bench.routing_main(["--heads=3", "--shapes=350M-train,100M-train,350M-train"])
+        bench_routing.main(["--heads=3", "--shapes=350M-train,100M-train,350M-train"])
     with pytest.raises(SystemExit, match=r"--shapes=2B: unknown shape 2B; choose from 100M,350M,1B,100M-train,"):
-        bench.routing_main(["--shapes=2B"])
+        bench_routing.main(["--shapes=2B"])
 
 
 @pytest.mark.parametrize("blocks,heads", [(None, None), (4, None), (None, 1)])
