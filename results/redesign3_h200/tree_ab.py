@@ -2,8 +2,9 @@
 # config/) against this tree. (1) at every tuned width, the chain's output and every gradient bitwise equal (bf16 and
 # fp32); (2) the chain's GPU time (CUDA-graph replay, the better of two readings each, order before, after, after,
 # before) at 12 widths, before with its gather backward forced (and with what it ran by default where no entry was
-# tuned), and its peak memory; (3) bench.py's step, every variant, before and after alternating, at the scales named.
-#   python results/redesign3_h200/tree_ab.py BEFORE_DIR OUT.json [SCALE ...]
+# tuned), and its peak memory; (3) bench.py's step, every variant, before and after alternating, at the scales named,
+# in R rounds (the order reversed every other round; each ratio against its own round's and tree's baseline).
+#   python results/redesign3_h200/tree_ab.py BEFORE_DIR OUT.json [--rounds=R] [--step-only] [--variants=V,..] [SCALE ...]
 import importlib, json, os, sys
 
 import torch
@@ -33,14 +34,16 @@ def use(tree):   # a tree's lazy imports (model.py's routing files) resolve to i
 
 before = load(os.path.abspath(sys.argv[1]), ("routing_gather", "routing_block"))
 after = load(HERE, ("bench_routing", "routing_block"))
-out, scales = sys.argv[2], sys.argv[3:]
+out, scales = sys.argv[2], [a for a in sys.argv[3:] if not a.startswith("--")]
+rounds = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--rounds=")), 1))
+step_only = "--step-only" in sys.argv
 torch.backends.cuda.matmul.allow_tf32 = True
 record = dict(header=use(after)["bench_routing"].header("cuda"), bitwise=[], chain=[], step=[])
 
 # (1) bitwise at the tuned widths (and two untuned: DEFAULT's gather backward both sides)
 DEPTH = {512: 12, 768: 12, 1024: 24, 1280: 36, 2048: 36}
 widths = list(before["routing_config"].TUNED_H200) + [(512, 8), (2048, 16)]
-for d, H in widths:
+for d, H in ([] if step_only else widths):
     for dtype in (torch.bfloat16, torch.float32):
         gen = torch.Generator().manual_seed(d + H)
         N, T = 2 * DEPTH[d] + 1, 384
@@ -62,7 +65,7 @@ for d, H in widths:
 SHAPES = [(512, 1, 8, 2048), (512, 2, 8, 2048), (512, 4, 8, 2048), (512, 8, 8, 2048), (512, 16, 8, 2048),
           (768, 1, 8, 2048), (768, 4, 8, 2048), (1024, 1, 4, 1024), (1024, 8, 4, 1024), (1280, 1, 2, 1024),
           (1280, 8, 2, 1024), (2048, 16, 2, 1024)]
-for d, H, B, T in SHAPES:
+for d, H, B, T in ([] if step_only else SHAPES):
     N, res = 2 * DEPTH[d] + 1, {}
     for k in ("before", "after", "after", "before"):
         if k == "before":
@@ -83,19 +86,25 @@ for d, H, B, T in SHAPES:
     json.dump(record, open(out, "w"), indent=1)
 
 # (3) the step, alternating trees, each variant against its own tree's baseline
-VARIANTS = ("baseline", "mhar_fused", "attnres_fused", "mhar_block8")
-for i, scale in enumerate(scales):
+VARIANTS = tuple(next((a.split("=")[1].split(",") for a in sys.argv if a.startswith("--variants=")),
+                      ("baseline", "mhar_fused", "attnres_fused", "mhar_block8")))   # the baseline first
+for i, (r, scale) in enumerate((r, s) for r in range(rounds) for s in scales):
     for variant in VARIANTS:
         for k in (("before", "after") if i % 2 == 0 else ("after", "before")):
             bench = use(before if k == "before" else after)["bench"]
             row = bench.bench_one(scale, variant, "cuda", 20, 5, True, bench.PAPER_VOCAB, None, True)
-            record["step"].append(dict(tree=k, **row))
+            record["step"].append(dict(tree=k, round=r, **row))
             print(f"step {scale} {variant:14s} {k:6s} {row['tok_s']:>10,.0f} tok/s {row['step_ms']:7.2f} ms "
                   f"peak {row['peak_gb']:.2f} GB", flush=True)
             json.dump(record, open(out, "w"), indent=1)
 for scale in scales:
     for k in ("before", "after"):
-        rows = {r["variant"]: r["tok_s"] for r in record["step"] if r["tree"] == k and r["scale"] == scale}
-        print(f"ratio {scale} {k:6s} " + ", ".join(f"{v} {rows[v] / rows['baseline']:.3f}x" for v in VARIANTS[1:]))
+        ratios = {v: [] for v in VARIANTS[1:]}
+        for r in range(rounds):
+            rows = {x["variant"]: x["tok_s"] for x in record["step"] if (x["tree"], x["scale"], x["round"]) == (k, scale, r)}
+            for v in ratios:
+                ratios[v].append(rows[v] / rows["baseline"])
+        print(f"ratio {scale} {k:6s} " + ", ".join(f"{v} {sum(x) / len(x):.4f}x (rounds {', '.join(f'{y:.3f}' for y in x)})"
+                                                  for v, x in ratios.items()), flush=True)
 json.dump(record, open(out, "w"), indent=1)
 print("done", flush=True)
