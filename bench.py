@@ -1,7 +1,7 @@
 """
 Benchmarks: the training step (1), generation (2), the step on several processes (3), the routing chain alone (4).
 
-1. The training step minus eval (nanoGPT's bench.py), run by train.py's own step code (run_microbatches,
+1. The training step minus data and eval (nanoGPT's bench.py), run by train.py's own step code (run_microbatches,
 optimizer_step): tokens/s, MFU, peak memory and the routing share of every residual variant at the paper's scales, in
 the layout of paper Tables 4 / 8 (throughput relative to our baseline, memory in GB). Synthetic tokens over the paper's
 vocabulary (151,936, Qwen3), bf16 autocast, fp32 master weights, fused AdamW and gradient clipping included, one
@@ -120,17 +120,17 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     held = fresh_memory(device) if cuda else 0
     model, opt, B = build(scale, variant, device, compile_model, vocab)
     T = model.cfg.block_size
-    rows = torch.randint(0, model.cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0)).numpy()
-    rt = SimpleNamespace(rank=0, ddp=False, device=device, device_type="cuda" if cuda else "cpu", say=print,
+    x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    batch = lambda micro: (x[:, :-1], x[:, 1:])   # the step minus data: the same tokens, already on the device
+    rt = SimpleNamespace(ddp=False, device=device, say=print,
                          autocast=torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False))
-    data = SimpleNamespace(accum=accum, seqs_per_step=accum * B, train=SimpleNamespace(train_batch=lambda first, n: rows))
     params = [p for p in model.parameters() if p.requires_grad]
     overlap = graphs.OverlappedGradSync(params, bucket_mb) if grad_sync == "overlap" else None
     graphed = graphs.GraphedMicrostep(model, rt.autocast, loss_scale=1 / accum, grad_sync=overlap) if cuda_graph and cuda else None
     zero_grad = None if graphed is not None else functools.partial(opt.zero_grad, set_to_none=True)
 
     def step():   # train.py's step; no host sync inside (the loss stays on the device)
-        loss, _ = train.run_microbatches(0, model, graphed, data, SimpleNamespace(micro_batch=B, fsdp=False), rt)
+        loss, _ = train.run_microbatches(batch, accum, model, graphed, rt)
         train.optimizer_step(opt, params, 1.0, world=world if grad_sync == "after" else None, zero_grad=zero_grad)
         return loss / accum
     sync = torch.cuda.synchronize if cuda else (lambda: None)

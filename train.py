@@ -19,6 +19,7 @@ are graphs.py's.
 """
 import ast
 import difflib
+import functools
 import inspect
 import json
 import math
@@ -520,29 +521,35 @@ def evaluate(model, data, cfg, rt):
     return (total[0] / total[1]).item()
 
 
-def run_microbatches(step, model, graphed, data, cfg, rt):
-    """A step's forward and backward over its data.accum microbatches, into the gradients: replayed as CUDA graphs
-    (graphed, a GraphedMicrostep), else eager (DDP's all-reduce, or FSDP's reduce-scatter, on the last one only).
-    Returns (the summed loss, on the device; graphed, or None once its capture has failed and the run went eager)."""
+def microbatch(data, cfg, rt, step, micro):
+    """(inputs, targets) of microbatch `micro` of step `step` on this process, on the device."""
+    first = step * data.seqs_per_step + (rt.rank * data.accum + micro) * cfg.micro_batch
+    return to_device(data.train.train_batch(first, cfg.micro_batch), rt)
+
+
+def run_microbatches(batch, accum, model, graphed, rt, fsdp=False):
+    """A step's forward and backward over its accum microbatches (batch(micro) -> inputs, targets), into the
+    gradients: replayed as CUDA graphs (graphed, a GraphedMicrostep), else eager (DDP's all-reduce, or FSDP's
+    reduce-scatter, on the last one only). Returns (the summed loss, on the device; graphed, or None once its capture
+    has failed and the run went eager). train.py's loop and bench.py's step both run it."""
     loss_sum = torch.zeros((), device=rt.device)
     wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    for micro in range(data.accum):
-        first = step * data.seqs_per_step + (rt.rank * data.accum + micro) * cfg.micro_batch
-        x, y = to_device(data.train.train_batch(first, cfg.micro_batch), rt)
+    for micro in range(accum):
+        x, y = batch(micro)
         if graphed is not None:
             try:
-                loss_sum += graphed(x, y, first=micro == 0, last=micro == data.accum - 1).float()
+                loss_sum += graphed(x, y, first=micro == 0, last=micro == accum - 1).float()
                 continue
             except GraphCaptureError as e:   # this microbatch and the rest of the run go eager
                 rt.say(f"*** CUDA graphs off: {e}. The run continues with eager steps (--cuda_graph=False "
                        "skips the attempt) ***")
                 graphed = None
-        sync = not rt.ddp or micro == data.accum - 1   # DDP all-reduces gradients on the last micro-step only
-        if cfg.fsdp:
+        sync = not rt.ddp or micro == accum - 1   # DDP all-reduces gradients on the last micro-step only
+        if fsdp:
             model.set_requires_gradient_sync(sync)
         with (model.no_sync() if wrapped and not sync else nullcontext()), rt.autocast:
             _, loss = model(x, y)
-            (loss / data.accum).backward()
+            (loss / accum).backward()
         loss_sum += loss.detach().float()
     return loss_sum, graphed
 
@@ -780,7 +787,8 @@ def main(argv):
             break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step) * group.get("lr_scale", 1.0)
-        loss_sum, graphed = run_microbatches(step, model, graphed, data, cfg, rt)
+        loss_sum, graphed = run_microbatches(functools.partial(microbatch, data, cfg, rt, step), data.accum, model,
+                                             graphed, rt, cfg.fsdp)
         if rt.ddp:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)   # the logged loss is the global-batch mean
         averaged = wrapped or cfg.fsdp or (graphed is not None and graphed.grad_sync is not None)
