@@ -21,12 +21,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # Triton's CPU inte
 class RoutingConfig:
     """How the kernels launch. A kernel's setting is (register-tile elements, warps, pipelining depth of its loop)."""
     name: str = "default"
-    fwd: tuple = (4096, 4, 4)             # _chain_fwd: a program owns a token block of one head
-    fwd_lead: tuple | None = (4096, 4, 4)  # a forward that also runs the next sites' softmax; None: none leads
-    fwd_lead_sites: int = 1               # how many later sites a leading forward runs (1 or 2)
-    gather: tuple = (1024, 4, 3)          # _gather_bwd: a program owns a token block over every head (1,024 elements on
-    gather_lead: tuple | None = (1024, 4, 3)   # 4 warps spill at no training width); lead: also sums the previous
-                                          # source's terms; None: no gather leads
+    fwd: tuple = (4096, 4, 4)                 # _chain_fwd: a program owns a token block of one head
+    fwd_lead: tuple | None = (4096, 4, 4)     # a forward that also runs the next sites' softmax; None: none leads
+    fwd_lead_sites: int = 1                   # how many later sites a leading forward runs (1 or 2)
+    gather: tuple = (1024, 4, 3)              # _gather_bwd: a program owns a token block over every head (1,024
+                                              # elements on 4 warps spill at no training width)
+    gather_lead: tuple | None = (1024, 4, 3)  # a gather that also sums the previous source's terms; None: none leads
     lead_min: int = 6            # a site leads if it reads >= this many tiles per token (its state: ~4 sources' bytes)
     stored_logits: bool = False  # the forward stores each pair's logit and the gathers load it instead of a dot
     call_fwd: tuple = (4096, 4, 4)     # rung 1's per-call kernels (routing_call.py), tuned at the 8B delta shape
@@ -173,9 +173,9 @@ class Launcher:
     """How a chain launches its kernels: launch(kernel, key, grid, warps, fresh, varying, fixed) is
     kernel[grid](**fixed(), **varying, num_warps=warps); fixed() builds the arguments that stay the same for the chain's
     life, `varying` the rest (same order at every call), `fresh` its tensors. Triton's own launch binds and specialises
-    every argument at each call, and a chain launches a few specialisations 3N times per pass: so a key's first launch
+    every argument at each call, and a chain launches a few specialisations 2N times a pass: so a key's first launch
     goes through Triton and keeps the compiled kernel and its arguments in signature order, and later launches fill in
-    `varying` and call the launcher (eager chain: 0.62-0.69x the wall time on an H200 host). The fresh tensors' dtypes
+    `varying` and call the launcher (an eager chain's host time is mostly launches). The fresh tensors' dtypes
     join the key; one off 16-byte alignment takes Triton's path (it specialises on it)."""
 
     def __init__(self, device, direct_ok):

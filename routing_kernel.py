@@ -195,7 +195,7 @@ if triton is not None:
                 m3, l3, acc3_a, acc3_b = _mix_step(m3, l3, acc3_a, acc3_b, s_a, s_b, r, w3_a, w3_b, LG, pair2 + n,
                                                    h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
         # (the newest source stays 16-bit until here: fp32 across the loop cost the 1B shape ~10 registers per thread,
-        # one program per SM, and 50% more forward time)
+        # one program per SM, and a slower forward)
         new_a, new_b = new_a.to(tl.float32), new_b.to(tl.float32)
         m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a, new_b, r_new, w_a, w_b, LG, pair0 + j - 1, h, M,
                                            rows64, rmask, H, SPLIT, STORE_LOGITS)
