@@ -217,7 +217,8 @@ LOCAL_HARNESS = {"wikitext": "wikitext_local", "lambada_openai": "lambada_openai
 
 
 def harness_lm(model, enc, max_length, batch_size, device, max_gen_toks=256):
-    """An lm_eval TemplateLM over a GPT (registered as "mhar": lm_eval --model mhar --model_args pretrained=OUT_DIR).
+    """An lm_eval TemplateLM over a GPT (registered as "mhar" in this process; the lm_eval command finds no model
+    outside its package: export.py's folder and `lm_eval --model hf ... trust_remote_code=True` run it there).
     loglikelihood: Scorer's batches (longest first, contexts cut from the left to max_length); rolling loglikelihood:
     the harness' disjoint windows of max_length tokens; generate_until: KV-cached greedy (or sampled) generation,
     batched over requests of one context length, cut at the first stop string."""
