@@ -2,6 +2,7 @@
 What a train.py run keeps in its out_dir, and how it survives crashes, full disks and a second launch:
 
   ckpt.pt, ckpt.prev.pt   the latest checkpoint and the one before it (write: temp file, fsync, read back, rotate)
+  ckpt-stepN.pt           a checkpoint kept at step N (--keep_every): a second name of that save, never rotated
   log.jsonl               one JSON record per logged step and per eval (read_log, trim_log)
   train.lock              the running process (lock_out_dir)
 
@@ -46,6 +47,10 @@ def previous_checkpoint(path):
     return root + ".prev" + ext
 
 
+def is_dtensor(t):   # an FSDP2 shard? (torch.distributed.tensor is imported by FSDP runs alone: no module, no DTensor)
+    return "torch.distributed.tensor" in sys.modules and isinstance(t, sys.modules["torch.distributed.tensor"].DTensor)
+
+
 def read_checkpoint(path):
     """torch.load of a checkpoint (memory-mapped: tensors are read when used), or a ValueError naming the file, what
     is wrong with it and what to do (torch's own message for a truncated or foreign file points elsewhere)."""
@@ -88,7 +93,23 @@ def save_checkpoint(path, model, optimizer, ema, step, extra, cfg, rt):
     if rt.master:
         write_checkpoint(path, {"model": model_state, "optimizer": optim_state, "ema": ema_state, "step": step,
                                 "rng": rngs, **extra}, step)
-        rt.say(f"saved {path} (step {step}, {os.path.getsize(path) / 1e9:.2f} GB) in {time.time() - t0:.1f} s")
+        kept = keep_copy(path, step) if cfg.keep_every and step % cfg.keep_every == 0 else None
+        rt.say(f"saved {path} (step {step}, {os.path.getsize(path) / 1e9:.2f} GB) in {time.time() - t0:.1f} s"
+               + (f"; kept as {kept}" if kept else ""))
+
+
+def keep_copy(path, step):
+    """out_dir/ckpt-step{step}.pt, the checkpoint just written under a second name (a hard link: no bytes copied;
+    a copy where the file system has none). One already there is left as it is (a resumed run that saves that step
+    again never replaces a kept file). Returns its path."""
+    kept = os.path.join(os.path.dirname(path), f"ckpt-step{step}.pt")
+    if not os.path.exists(kept):
+        try:
+            os.link(path, kept)
+        except OSError:
+            shutil.copyfile(path, kept + ".tmp")
+            os.replace(kept + ".tmp", kept)
+    return kept
 
 
 def write_checkpoint(path, payload, step):

@@ -33,6 +33,7 @@ import json
 import lzma
 import math
 import os
+import re
 import sys
 from contextlib import nullcontext
 
@@ -598,8 +599,10 @@ def main(argv=None):
         if args.block_size and args.block_size > model.cfg.block_size:
             raise ValueError(f"--block_size={args.block_size} exceeds the model's {model.cfg.block_size}")
         base = model.checkpoint_info["dir"]
+        kept = re.fullmatch(r"ckpt-step(\d+)\.pt", os.path.basename(args.out_dir))   # a --keep_every checkpoint:
+        tag = f"-step{kept.group(1)}" if kept else ""                                 # its results beside the latest's
         if args.probe:
-            args.probe_dir = args.probe_dir or os.path.join(base, "probe")
+            args.probe_dir = args.probe_dir or os.path.join(base, "probe" + tag)
             return run_probe(args, model, enc)
         if args.harness:
             results = run_harness(args, model, enc, manager, tasks)
@@ -614,7 +617,7 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         sys.exit(f"eval.py: error: {e}")
     name = "eval_harness" if args.harness else "eval"
-    output = args.output or os.path.join(base, f"{name}.json" if args.limit is None else f"{name}.limit{args.limit}.json")
+    output = args.output or os.path.join(base, f"{name}{tag}.json" if args.limit is None else f"{name}{tag}.limit{args.limit}.json")
     results["tokenizer"] = model.checkpoint_info["tokenizer_used"]
     with open(output + ".tmp", "w") as f:
         json.dump(results, f, indent=1)

@@ -9,11 +9,14 @@ Validation documents are held out by document: from --val_input when given, othe
 document (k = 1 / --val_fraction, starting with the first), so train and val never share a document.
 Every document is preceded by the end-of-text token. Output in --out_dir:
   train.bin, val.bin   raw token ids, uint16 (uint32 when the vocab does not fit)
-  meta.json            tokenizer, vocab size, token/document counts, inputs
+  token_bytes.bin      the UTF-8 bytes each token id stands for (uint16; 0 for special tokens): train.py's val_bpb
+  tokenizer.json       a Hugging Face tokenizer named by its Hub model (--tokenizer=Qwen/Qwen3-0.6B), fetched here
+  meta.json            tokenizer, vocab size (and a Hub model's own), token/document counts, inputs
 Examples:
   python prepare_data.py --max_tokens=100_000_000 --out_dir=data/fineweb_edu
   python prepare_data.py --input=../shared/data/text/books_wiki_en_train.jsonl.xz \
       --val_input=../shared/data/text/books_wiki_en_val.jsonl.xz --out_dir=data/books_wiki
+  python prepare_data.py --tokenizer=Qwen/Qwen3-0.6B --out_dir=data/fineweb_qwen3    # the paper's tokenizer
 """
 import argparse
 import glob
@@ -21,6 +24,7 @@ import gzip
 import json
 import lzma
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -35,20 +39,26 @@ HUB_DATASET, HUB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer.json (e.g. of a converted Llama or Qwen3 checkpoint) behind tiktoken's interface."""
+    """A Hugging Face tokenizer.json (e.g. of a converted Llama or Qwen3 checkpoint) behind tiktoken's interface; its
+    end-of-text token the first of EOT_NAMES it has (Qwen3: <|endoftext|>, Llama 3: <|end_of_text|>), or `eot`."""
     EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
-    def __init__(self, path):
+    def __init__(self, path, eot=None):
         try:
             from tokenizers import Tokenizer   # only needed for tokenizer.json files
         except ImportError as e:
             raise RuntimeError(f"reading {path} needs `pip install tokenizers`") from e
         self.path = path
-        self.tok = Tokenizer.from_file(path)
+        try:
+            self.tok = Tokenizer.from_file(path)
+        except Exception as e:   # not JSON, or JSON that is not a tokenizer
+            raise ValueError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]})") from None
         self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
-        ids = [self.tok.token_to_id(t) for t in self.EOT_NAMES]
+        names = (eot,) if eot else self.EOT_NAMES
+        ids = [self.tok.token_to_id(t) for t in names]
         if all(i is None for i in ids):
-            raise ValueError(f"{path}: none of the end-of-text tokens {self.EOT_NAMES} is in the vocabulary")
+            raise ValueError(f"{path}: none of the end-of-text tokens {names} is in the vocabulary"
+                             + ("; name one it has with --eot_token" if not eot else ""))
         self.eot_token = next(i for i in ids if i is not None)
 
     def encode_ordinary(self, text):
@@ -61,17 +71,18 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=False)
 
 
-def load_tokenizer(name, base_dir=None):
+def load_tokenizer(name, base_dir=None, eot=None):
     """A tiktoken encoding by name, or a Hugging Face tokenizer.json by path (relative paths are taken
     from base_dir, e.g. a checkpoint's folder), with an actionable error when tiktoken's files cannot be fetched."""
     if name.endswith(".json"):
         path = name if os.path.isabs(name) or base_dir is None else os.path.join(base_dir, name)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file {path} not found")
-        return HFTokenizer(path)
+        return HFTokenizer(path, eot)
     import tiktoken
     if name not in TOKENIZERS:
-        raise ValueError(f"tokenizer={name!r} is not one of {', '.join(TOKENIZERS)} or a path to a tokenizer.json")
+        raise ValueError(f"tokenizer={name!r} is not one of {', '.join(TOKENIZERS)}, a path to a tokenizer.json, or a "
+                         "Hugging Face model name (e.g. Qwen/Qwen3-0.6B: prepare_data.py fetches its tokenizer.json)")
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken downloads its BPE files on first use; offline that fails here
@@ -118,6 +129,72 @@ def tokenizer_id(name):
     import hashlib
     with open(name, "rb") as f:
         return "sha1:" + hashlib.sha1(f.read()).hexdigest()
+
+
+def is_hub_name(name):
+    """A Hugging Face model name (owner/model), as opposed to a tiktoken encoding or a local tokenizer.json."""
+    return "/" in name and not name.endswith(".json") and not os.path.exists(name) and name.count("/") == 1
+
+
+def hub_tokenizer(name):
+    """(local path of the tokenizer.json of Hub model `name`, the model's vocabulary size or None) through
+    huggingface_hub: its cache, else a download; offline, a RuntimeError naming the fix."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise RuntimeError(f"--tokenizer={name} names a Hugging Face model: pip install huggingface_hub, or pass a "
+                           "local tokenizer.json") from None
+    try:
+        path = hf_hub_download(name, "tokenizer.json")
+    except Exception as e:   # offline, no such model, or a gated one: one line
+        raise RuntimeError(f"--tokenizer={name}: could not fetch its tokenizer.json from the Hugging Face Hub "
+                           f"({type(e).__name__}); offline, download it where the Hub is reachable and pass "
+                           "--tokenizer=path/to/tokenizer.json") from None
+    try:   # the model's own (padded) vocabulary, e.g. 151,936 for Qwen3: the paper trains at it
+        with open(hf_hub_download(name, "config.json")) as f:
+            vocab = json.load(f).get("vocab_size")
+    except Exception:
+        vocab = None
+    return path, vocab
+
+
+def token_byte_table(enc):
+    """The UTF-8 bytes each token id stands for, 0 for special tokens (the end-of-text separator among them), as a
+    uint16 array over the vocabulary: bits per byte divides a loss by these (nanochat's evaluate_bpb counts so)."""
+    table = np.zeros(enc.n_vocab, dtype=np.uint16)
+    if isinstance(enc, HFTokenizer):
+        tok = enc.tok
+        special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        byte_level = json.loads(tok.to_str()).get("decoder", {}) or {}
+        byte_level = byte_level.get("type") == "ByteLevel"
+        if byte_level:   # GPT-2's byte <-> character map, inverted: a token's characters are its bytes
+            chars = [c for c in range(ord("!"), ord("~") + 1)] + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+            decode = {chr(c): 1 for c in chars}
+            decode.update({chr(256 + n): 1 for n in range(256 - len(chars))})
+        for i in range(enc.n_vocab):
+            if i in special:
+                continue
+            if byte_level:
+                piece = tok.id_to_token(i)
+                table[i] = sum(decode.get(ch, len(ch.encode())) for ch in piece) if piece is not None else 0
+            else:   # e.g. SentencePiece-style: its text (a lone byte-fallback piece counts its replacement character)
+                table[i] = len(tok.decode([i]).encode())
+        return table
+    special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+    for i in range(enc.n_vocab):
+        if i not in special:
+            try:
+                table[i] = len(enc.decode_single_token_bytes(i))
+            except KeyError:   # an id the encoding leaves unused
+                pass
+    return table
+
+
+def write_atomic(path, data):
+    """Bytes (or text) to path through a temp file and a rename: a reader sees the old file or the new one."""
+    with open(path + ".tmp", "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
 
 
 def token_dtype(vocab_size):
@@ -210,9 +287,9 @@ def hub_documents(text_field="text"):
 _enc = None
 
 
-def _init_worker(name):
+def _init_worker(name, eot=None):
     global _enc
-    _enc = load_tokenizer(name)
+    _enc = load_tokenizer(name, eot=eot)
 
 
 def _encode(texts):
@@ -231,15 +308,15 @@ def batched(iterable, n):
         yield batch
 
 
-def encode_stream(docs, tokenizer, workers, batch_docs=64):
+def encode_stream(docs, tokenizer, workers, batch_docs=64, eot=None):
     """Yield token arrays (one per document, end-of-text first) in document order. Parallel over
     `workers` processes with a bounded look-ahead, so a streamed source is read only as far as used."""
     if workers <= 1:
-        _init_worker(tokenizer)
+        _init_worker(tokenizer, eot)
         for batch in batched(docs, batch_docs):
             yield from _encode(batch)
         return
-    with Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+    with Pool(workers, initializer=_init_worker, initargs=(tokenizer, eot)) as pool:
         pending = deque()
         for batch in batched(docs, batch_docs):
             pending.append(pool.apply_async(_encode, (batch,)))
@@ -312,8 +389,13 @@ class TokenData:
 
 
 def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_tokens=100_000_000,
-            max_val_tokens=None, val_fraction=0.01, text_field="text", workers=None, force=False):
-    enc = load_tokenizer(tokenizer)   # fail early, before reading any data
+            max_val_tokens=None, val_fraction=0.01, text_field="text", workers=None, force=False, eot_token=None):
+    hub, model_vocab = (tokenizer, None) if is_hub_name(tokenizer) else (None, None)
+    if hub:   # a Hub model's tokenizer.json, fetched (or found in the Hub's cache) now; copied into out_dir at the end
+        tokenizer, model_vocab = hub_tokenizer(hub)
+    if eot_token and not tokenizer.endswith(".json"):
+        raise ValueError(f"--eot_token={eot_token!r} is for a tokenizer.json; tiktoken's {tokenizer} has its own")
+    enc = load_tokenizer(tokenizer, eot=eot_token)   # fail early, before reading any data
     if not val_input and not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1) when no --val_input is given")
     if max_tokens is not None and max_tokens <= 0:
@@ -336,7 +418,7 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
     t0 = time.time()
     with token_writers(out_dir, dtype) as (train, val):
         bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({workers} workers)")
-        for i, toks in enumerate(encode_stream(docs, tokenizer, workers)):
+        for i, toks in enumerate(encode_stream(docs, tokenizer, workers, eot=eot_token)):
             if every is not None and i % every == 0:
                 if max_val_tokens is None or val.tokens < max_val_tokens:
                     val.write(toks, max_val_tokens)
@@ -346,16 +428,21 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
                 break
         bar.close()
         if val_inputs:
-            for toks in encode_stream(read_documents(val_inputs, text_field), tokenizer, workers):
+            for toks in encode_stream(read_documents(val_inputs, text_field), tokenizer, workers, eot=eot_token):
                 val.write(toks, max_val_tokens)
                 if max_val_tokens is not None and val.tokens >= max_val_tokens:
                     break
         if train.tokens == 0 or val.tokens == 0:
             raise RuntimeError(f"got {train.tokens} train and {val.tokens} val tokens: need some of each "
                                "(more input documents, or a larger --val_fraction)")
+        if hub:   # the data folder keeps the Hub model's tokenizer: the runs it feeds read it from here
+            shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+            tokenizer = os.path.join(out_dir, "tokenizer.json")
         if tokenizer.endswith(".json"):   # record where it came from and what it was, for checks against a model
             tokenizer = os.path.abspath(tokenizer)
+        write_atomic(os.path.join(out_dir, "token_bytes.bin"), token_byte_table(enc).tobytes())
         meta = {"tokenizer": tokenizer, "tokenizer_id": tokenizer_id(tokenizer), "vocab_size": enc.n_vocab,
+                **({"tokenizer_source": hub, "model_vocab_size": model_vocab} if hub else {}),
                 "eot_token": enc.eot_token, "dtype": np.dtype(dtype).name, "train_tokens": train.tokens,
                 "val_tokens": val.tokens, "train_docs": train.docs, "val_docs": val.docs,
                 "inputs": inputs or [f"hf://{HUB_DATASET}/{HUB_CONFIG}"], "val_inputs": val_inputs,
@@ -393,8 +480,11 @@ def main(argv=None):
     p.add_argument("--input", help="file, glob or directory of .jsonl[.gz|.xz]/.txt/.parquet; default: FineWeb-Edu from the Hub")
     p.add_argument("--val_input", help="validation documents (same formats); default: every k-th input document")
     p.add_argument("--out_dir", help="output folder (default data/<input name> or data/fineweb_edu)")
-    p.add_argument("--tokenizer", default="gpt2", help=f"tiktoken encoding ({', '.join(TOKENIZERS)}; default gpt2) "
-                   "or the path of a Hugging Face tokenizer.json (e.g. of a model converted with convert.py)")
+    p.add_argument("--tokenizer", default="gpt2", help=f"tiktoken encoding ({', '.join(TOKENIZERS)}; default gpt2), "
+                   "the path of a Hugging Face tokenizer.json (e.g. of a model converted with convert.py), or a Hub "
+                   "model's name (Qwen/Qwen3-0.6B: the paper's; its tokenizer.json is fetched and kept in --out_dir)")
+    p.add_argument("--eot_token", default=None, help="a tokenizer.json's end-of-text token, written before every "
+                   "document (default: the first it has of " + ", ".join(HFTokenizer.EOT_NAMES) + ")")
     p.add_argument("--max_tokens", type=lambda s: int(float(s.replace("_", ""))), default=100_000_000,
                    help="stop after this many training tokens (default 100M; 1e9 style accepted)")
     p.add_argument("--max_val_tokens", type=lambda s: int(float(s.replace("_", ""))), default=None,

@@ -17,6 +17,7 @@ import pydoc
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ import bench  # noqa: E402
 import convert  # noqa: E402
 import eval as evaluate  # noqa: E402
 import export  # noqa: E402
+import metrics  # noqa: E402
 import prepare_data  # noqa: E402
 import sample  # noqa: E402
 import bench_routing  # noqa: E402
@@ -140,11 +142,11 @@ def launch_env(nproc=1):
     return dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
 
 
-def run_train(out_dir, data_dir, *extra, nproc=1, wait=True):
+def run_train(out_dir, data_dir, *extra, nproc=1, wait=True, env=None):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                     "--standalone", f"--nproc_per_node={nproc}"]
     cmd = launcher + [os.path.join(HERE, "train.py"), f"--data_dir={data_dir}", f"--out_dir={out_dir}", *TRAIN_ARGS, *extra]
-    env = launch_env(nproc)
+    env = {**launch_env(nproc), **(env or {})}
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -1246,6 +1248,8 @@ def test_hub_offline_gives_the_local_input_hint(tmp_path, monkeypatch):
     (["--route_blocks=2", "--residual=baseline"], r"route_blocks=2 is for attnres and mhar .*not residual='baseline'"),
     (["--route_blocks=2", "--residual=hyper"], r"route_blocks=2 is for attnres and mhar .*not residual='hyper'"),
     (["--route_blocks=2", "--residual=delta", "--num_blocks=4"], r"not residual='delta': drop it \(delta mode's blocks: num_blocks\)"),
+    (["--keep_every=250"], r"keep_every=250 must be a multiple of eval_interval=500 .*e.g. --keep_every=500"),
+    (["--keep_every=-500"], r"keep_every=-500 must be >= 0"),
 ])
 def test_bad_train_options(argv, msg):
     with pytest.raises(ValueError, match=msg):
@@ -1297,6 +1301,145 @@ def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
     assert not any(os.path.exists(os.path.join(o, "train.lock")) for o in outs)
 
 
+def test_runs_report_bpb_routing_statistics_and_grad_norm(tmp_path, data_dir):
+    """Every eval record holds val_bpb = val_loss / ln 2 x (tokens / bytes) of the evaluated validation targets (recomputed
+    here from val.bin and tiktoken: each token's bytes, the end-of-text separator none); attnres and mhar records hold
+    routing statistics per site and head (entropy in [0, ln N], weights in [0, 1]; at init, q = 0, the uniform
+    mix: entropy ln N exactly), the baseline's none; every step record its gradient norm."""
+    import tiktoken
+    outs = {m: str(tmp_path / m) for m in ("mhar", "attnres", "baseline")}
+    runs = together(*[lambda m=m: run_train(outs[m], data_dir, f"--residual={m}", "--route_heads=2" if m == "mhar" else
+                                            "--seed=42", "--max_steps=4", "--eval_interval=2") for m in outs])
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    enc, val = tiktoken.get_encoding("gpt2"), np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16)
+    targets = val[1:32 * 64 + 1]   # eval_tokens 2048 = 32 sequences of 64: the tokens each eval predicts
+    n_bytes = sum(0 if t == enc.eot_token else len(enc.decode_single_token_bytes(int(t))) for t in targets)
+    assert re.search(r"eval step 4 \| val_loss \d+\.\d+ \| val_bpb \d+\.\d+ .* \| routing entropy [\d.]+, embedding", runs[0].stdout)
+    for m, out in outs.items():
+        records = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+        evals, steps = [r for r in records if "val_loss" in r], [r for r in records if "loss" in r]
+        assert [r["step"] for r in evals] == [0, 2, 4] and all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+                                                             for r in steps)
+        for r in evals:
+            assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2) * len(targets) / n_bytes, rel=1e-6)
+            if m == "baseline":
+                assert "routing" not in r
+                continue
+            heads = 2 if m == "mhar" else 1
+            assert len(r["routing"]["entropy"]) == 5 and all(len(site) == heads for site in r["routing"]["entropy"])
+            for j, (ent, first, newest) in enumerate(zip(*(r["routing"][k] for k in ("entropy", "w_first", "w_newest"))), 1):
+                assert all(-1e-6 <= e <= math.log(j) + 1e-6 for e in ent) and all(-1e-6 <= w <= 1 + 1e-6 for w in first + newest)
+                if r["step"] == 0:   # zero queries: every source weighs 1/j
+                    assert ent == pytest.approx([math.log(j)] * heads, abs=1e-6) and first == pytest.approx([1 / j] * heads)
+
+
+def test_routing_statistics_read_a_forced_query():
+    """A site whose query points at one source reads entropy ~0 there and all its weight on that source: every token's
+    embedding is one vector e, the first sublayer's output is zeroed, and site 2's query is 50 e."""
+    model = GPT(tiny_cfg(residual="mhar", route_heads=2)).eval()
+    e = torch.randn(48, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.wte.weight.copy_(e.expand_as(model.wte.weight))
+        model.blocks[0].attn.o_proj.weight.zero_()
+        model.routes[1].q.copy_(50 * e)
+        _, _, alpha = model(torch.randint(0, 96, (2, 9)), return_routing=True)
+    stats = metrics.routing_stats(alpha)
+    assert stats["entropy"][1] == pytest.approx([0.0, 0.0], abs=1e-6) and stats["w_first"][1] == pytest.approx([1.0, 1.0])
+    assert stats["entropy"][0] == [0.0, 0.0] and stats["entropy"][2] == pytest.approx([math.log(3)] * 2)   # q = 0
+
+
+def test_keep_every_keeps_checkpoints_through_a_resume(tmp_path, data_dir):
+    """--keep_every=10: the step-10, 20 and 30 checkpoints stay beside ckpt.pt / ckpt.prev.pt (second names of those
+    saves), a resume neither rotates nor replaces them, and each loads in sample.py, eval.py --probe and export.py."""
+    out = tmp_path / "k"
+    first = run_train(str(out), data_dir, "--max_steps=20", "--eval_interval=10", "--keep_every=10")
+    assert first.returncode == 0 and "kept as" in first.stdout, first.stderr
+    inode = os.stat(out / "ckpt-step10.pt").st_ino
+    resumed = run_train(str(out), data_dir, "--max_steps=30", "--eval_interval=10", "--keep_every=10",
+                        "--init_from=resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(os.listdir(out)) == ["ckpt-step10.pt", "ckpt-step20.pt", "ckpt-step30.pt", "ckpt.prev.pt", "ckpt.pt",
+                                       "log.jsonl"]
+    assert os.stat(out / "ckpt-step10.pt").st_ino == inode
+    for step in (10, 20, 30):
+        assert torch.load(out / f"ckpt-step{step}.pt", weights_only=False, mmap=True)["step"] == step
+        sample.main([f"--out_dir={out / f'ckpt-step{step}.pt'}", "--max_new_tokens=3", "--device=cpu"])
+    evaluate.main([f"--out_dir={out / 'ckpt-step20.pt'}", "--probe", f"--data_dir={data_dir}", "--device=cpu"])
+    assert (out / "probe-step20" / "probe.json").is_file() and not (out / "probe").exists()
+    export.main([f"--out_dir={out / 'ckpt-step10.pt'}", f"--hf_dir={tmp_path / 'hf10'}", "--check=False"])
+    assert json.load(open(tmp_path / "hf10" / "config.json"))["exported_from"]["step"] == 10
+
+
+def test_a_hub_style_tokenizer_trains_and_an_offline_hub_name_fails(tmp_path, corpus, monkeypatch):
+    """A Qwen3-style tokenizer.json (byte-level BPE with <|endoftext|> and chat tokens, built here) tokenizes and trains;
+    a Hub model's name fetches its tokenizer.json into the data folder and records the model's own vocabulary, which the
+    model takes (Qwen3: 151,936); offline, a Hub name is one line naming the fix, and nothing is written."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(read_docs(corpus)[:50], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    monkeypatch.setattr(prepare_data, "hub_tokenizer", lambda name: (str(tmp_path / "tokenizer.json"), 640))
+    data = str(tmp_path / "qwenish")
+    meta = prepare_data.prepare(input=corpus, out_dir=data, tokenizer="Owner/Model-0.6B", max_tokens=20000, workers=1)
+    assert meta["tokenizer"] == os.path.join(os.path.abspath(data), "tokenizer.json") and meta["model_vocab_size"] == 640
+    assert meta["eot_token"] == tok.token_to_id("<|endoftext|>") == 0 and meta["tokenizer_source"] == "Owner/Model-0.6B"
+    table = np.fromfile(os.path.join(data, "token_bytes.bin"), dtype=np.uint16)
+    assert table[:3].tolist() == [0, 0, 0]   # special tokens weigh no bytes; the rest add up to a text's UTF-8 bytes
+    for text in read_docs(corpus)[60:64] + ["naïve café, 東京 — ok"]:
+        assert table[tok.encode(text).ids].sum() == len(text.encode()), text[:40]
+    r = run_train(str(tmp_path / "run"), data, "--max_steps=2", "--eval_interval=2")
+    assert r.returncode == 0 and "vocab 640 (" in r.stdout, r.stderr
+    assert json.loads(open(tmp_path / "run" / "log.jsonl").readlines()[-1])["val_bpb"] > 0
+    offline = subprocess.run([sys.executable, os.path.join(HERE, "prepare_data.py"), f"--input={corpus}",
+                              "--tokenizer=Qwen/Qwen3-0.6B", f"--out_dir={tmp_path / 'hub'}"], capture_output=True,
+                             text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
+    assert offline.returncode == 1 and "Traceback" not in offline.stderr and not (tmp_path / "hub").exists()
+    assert re.search(r"--tokenizer=Qwen/Qwen3-0.6B: could not fetch its tokenizer.json .* pass "
+                     r"--tokenizer=path/to/tokenizer.json", offline.stderr), offline.stderr
+
+
+def test_wandb_log_offline_and_without_wandb(tmp_path, data_dir):
+    """--wandb_log=True with WANDB_MODE=offline writes a local run holding the step, eval and routing records (read
+    back from its file); without wandb installed: one line naming the fix, exit 1, nothing trained."""
+    pytest.importorskip("wandb", reason="optional: pip install wandb (CI installs it)")
+    from wandb.proto import wandb_internal_pb2
+    fake = tmp_path / "no_wandb"
+    fake.mkdir()
+    (fake / "wandb.py").write_text("raise ImportError(\"No module named 'wandb'\")\n")
+    out, missing = tmp_path / "w", tmp_path / "m"
+    r, m = together(lambda: run_train(str(out), data_dir, "--wandb_log=True", "--max_steps=4", "--eval_interval=2",
+                                      "--route_heads=1", env={"WANDB_MODE": "offline"}),
+                    lambda: run_train(str(missing), data_dir, "--wandb_log=True", env={"PYTHONPATH": str(fake)}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    raw = open(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))[0], "rb").read()
+    rows, pos, chunk = {}, 7, b""   # the run file: W&B's header, then LevelDB-style records of protobuf Records
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if kind == 0:
+            pos += 32768 - pos % 32768
+            continue
+        chunk, pos = (b"" if kind in (1, 2) else chunk) + raw[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record.FromString(chunk)
+            if rec.WhichOneof("record_type") == "history":
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                rows.setdefault(row["_step"], {}).update(row)
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    assert all({"loss", "grad_norm", "lr"} <= set(rows[s]) for s in (1, 2, 3, 4))
+    assert all({"val_loss", "val_bpb", "routing/entropy", "routing/w_first", "routing/entropy_site5"} <= set(rows[s])
+               for s in (0, 2, 4))
+    log = [json.loads(line) for line in open(out / "log.jsonl")]
+    assert rows[4]["val_loss"] == [x for x in log if "val_loss" in x][-1]["val_loss"]
+    assert m.returncode == 1 and "--wandb_log=True needs Weights & Biases: pip install wandb" in m.stderr
+    assert "Traceback" not in m.stderr and not missing.exists()
+
+
 def test_run_header_names_the_tree_without_git(monkeypatch):
     """A copy without .git, or with a .git that is not its own (a GPU host's, say), names its tree by $MHAR_REVISION,
     set where git runs: the variable, when set, wins over git."""
@@ -1325,10 +1468,12 @@ def test_training_loss_falls_and_sample(tmp_path, data_dir):
         lambda: run_train(str(tmp_path / "typo"), data_dir, "--max_steps=2", "--init_from=resumee"),
         lambda: run_train(ckpt_out, data_dir, "--max_steps=5", "--eval_interval=5", "--activation_checkpointing=True"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert re.search(r"step 40/40 \| loss \d+\.\d+ \| lr [\d.e+-]+ \| \d+ ms \| [\d,]+ tok/s \| mfu n/a \| eta", r.stdout)
+    assert re.search(r"step 40/40 \| loss \d+\.\d+ \| lr [\d.e+-]+ \| grad [\d.]+ \| \d+ ms \| [\d,]+ tok/s \| mfu n/a \| eta",
+                     r.stdout)
     steps, evals = read_log(out)
     assert sorted(evals) == [0, 20, 40] and sorted(steps) == list(range(1, 41))
-    assert set(steps[1]) == {"step", "loss", "lr", "dt_ms", "tok_per_s"} and set(evals[0]) == {"step", "val_loss"}
+    assert set(steps[1]) == {"step", "loss", "lr", "grad_norm", "dt_ms", "tok_per_s"}
+    assert set(evals[0]) == {"step", "val_loss", "val_bpb", "routing"}
     assert evals[40]["val_loss"] < evals[0]["val_loss"] - 2.0
     assert np.mean([steps[s]["loss"] for s in range(36, 41)]) < np.mean([steps[s]["loss"] for s in range(1, 6)]) - 2.0
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)

@@ -12,8 +12,8 @@ every parameter, clip 1.0, linear warmup then cosine to 0.1x, a fixed validation
 
 Stages, in the order main() runs them: parse_args -> setup_runtime (processes, device, precision) -> load_data ->
 resolve_start (scratch / resume / converted checkpoint) -> build_model, restore -> the loop: run_microbatches
-(graphed or eager), optimizer_step (average, clip, AdamW), EMA, StepLog; evaluate and save_checkpoint every
-eval_interval.
+(graphed or eager), optimizer_step (average, clip, AdamW), EMA, StepLog (metrics.py: the lines, log.jsonl, val_bpb,
+routing statistics, the optional tracker); evaluate and save_checkpoint every eval_interval.
 What a run keeps in out_dir (checkpoints, log, lock, stops) is checkpoint.py's; CUDA graphs and the gradient average
 are graphs.py's.
 """
@@ -33,14 +33,14 @@ import typing
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, data_changes, data_identity, git_revision,
-                        load_latest, lock_out_dir, previous_checkpoint, read_checkpoint, read_log, restore, save_checkpoint,
-                        trim_log)
+                        is_dtensor, load_latest, lock_out_dir, previous_checkpoint, read_checkpoint, restore,
+                        save_checkpoint)
 from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync_grads
+from metrics import StepLog, Tracker, routing_stats, val_bytes_per_token
 from model import GPT, GPTConfig
 from prepare_data import TokenData
 
@@ -74,6 +74,10 @@ class TrainConfig:
     eval_interval: int = 500            # evaluate and checkpoint every this many steps (and at the end)
     eval_tokens: int = 1048576          # fixed validation set: the first this-many tokens of val.bin
     log_interval: int = 1               # print/log every this many steps (each print syncs the GPU)
+    keep_every: int = 0                 # also keep out_dir/ckpt-stepN.pt every this many steps, never rotated (0: off)
+    wandb_log: bool = False             # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works)
+    wandb_project: str = "mhar"         # its project
+    wandb_run_name: str = ""            # its run name ("": wandb's own)
     # system
     device: str = "auto"                # auto | cpu | cuda | cuda:N (torchrun: one GPU per process)
     dtype: str = "auto"                 # compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU) | bfloat16 | float32
@@ -97,7 +101,7 @@ Config = make_dataclass("Config", [(f.name, f.type, field(default=f.default)) fo
 # resolving -1 to max_steps: the schedule's horizon must match)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
              "dtype", "compile", "micro_batch", "activation_checkpointing", "routing_impl", "lr_decay_steps", "save",
-             "cuda_graph", "grad_sync", "grad_bucket_mb"}
+             "cuda_graph", "grad_sync", "grad_bucket_mb", "keep_every", "wandb_log", "wandb_project", "wandb_run_name"}
 
 
 # ---- options ---------------------------------------------------------------------------------------------------------
@@ -169,12 +173,16 @@ def parse_args(argv):
     positive = ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr",
                 "grad_bucket_mb", "routing_lr_scale")
     for rule, ok, keys in (("must be positive", lambda v: v > 0, positive),
-                           ("must be >= 0", lambda v: v >= 0, ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps")),
+                           ("must be >= 0", lambda v: v >= 0, ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps",
+                                                               "keep_every")),
                            ("must be in [0, 1] (the decay ends at lr * min_lr_ratio)", lambda v: 0 <= v <= 1, ("min_lr_ratio",)),
                            ("must be in [0, 1)", lambda v: 0 <= v < 1, ("beta1", "beta2", "ema_decay"))):
         for key in keys:
             if not ok(getattr(cfg, key)):
                 raise ValueError(f"{key}={getattr(cfg, key)} {rule}")
+    if cfg.keep_every % cfg.eval_interval:
+        raise ValueError(f"keep_every={cfg.keep_every} must be a multiple of eval_interval={cfg.eval_interval} (checkpoints "
+                         f"are written at evals), e.g. --keep_every={max(1, round(cfg.keep_every / cfg.eval_interval)) * cfg.eval_interval}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise ValueError(f"device={cfg.device!r} is not one of auto, cpu, cuda, cuda:N")
     GPTConfig(vocab_size=128, **{k: getattr(cfg, k) for k in MODEL_KEYS})   # model errors now, not after data
@@ -183,10 +191,6 @@ def parse_args(argv):
 
 def fail(msg):
     sys.exit(f"train.py: error: {msg}")
-
-
-def is_dtensor(t):   # an FSDP2 shard? (torch.distributed.tensor is imported by FSDP runs alone: no module, no DTensor)
-    return "torch.distributed.tensor" in sys.modules and isinstance(t, sys.modules["torch.distributed.tensor"].DTensor)
 
 
 # ---- runtime: processes, device, precision ---------------------------------------------------------------------------
@@ -289,9 +293,10 @@ class Data:
     accum: int                 # micro-steps per step and process
     n_eval: int                # validation sequences (the same every eval)
     identity: dict             # what a resume checks the data against (checkpoint.data_identity)
+    bytes_per_token: float     # UTF-8 bytes per evaluated validation target token (val_bpb); None: unknown
 
 
-def load_data(cfg, world):
+def load_data(cfg, world, rank=0):
     meta_path = os.path.join(cfg.data_dir, "meta.json")
     if not os.path.isfile(meta_path):
         fail(f"{meta_path} not found; run prepare_data.py --out_dir={cfg.data_dir} first")
@@ -319,8 +324,9 @@ def load_data(cfg, world):
     if n_eval == 0:
         fail(f"val.bin has {val_data.n_seq} sequences of {cfg.block_size} tokens, fewer than one eval batch "
              f"({per_micro}); lower micro_batch or block_size, or prepare more validation data")
+    quiet = print if rank == 0 else (lambda line: None)
     return Data(meta, train_data, val_data, seqs_per_step, seqs_per_step // per_micro, n_eval,
-                data_identity(cfg.data_dir, meta))
+                data_identity(cfg.data_dir, meta), val_bytes_per_token(cfg.data_dir, meta, n_eval * cfg.block_size, quiet))
 
 
 # ---- what the run starts from ----------------------------------------------------------------------------------------
@@ -368,8 +374,8 @@ def resolve_start(cfg, data, master):
         os.replace(os.path.join(cfg.out_dir, "log.jsonl"), kept)
         print(f"moved the log of an earlier run without a checkpoint to {kept}")
     if cfg.init_from == "scratch":
-        return None, None, {**{k: getattr(cfg, k) for k in MODEL_KEYS},
-                            "vocab_size": math.ceil(meta["vocab_size"] / 128) * 128}, "config"
+        vocab = meta.get("model_vocab_size") or math.ceil(meta["vocab_size"] / 128) * 128   # (a Hub model's own size)
+        return None, None, {**{k: getattr(cfg, k) for k in MODEL_KEYS}, "vocab_size": vocab}, "config"
     path = os.path.join(cfg.init_from, "ckpt.pt") if os.path.isdir(cfg.init_from) else cfg.init_from
     if not os.path.isfile(path):   # a convert.py checkpoint: its architecture, its weights
         fail(f"init_from={cfg.init_from!r} is not scratch, resume, or the out_dir of convert.py")
@@ -508,17 +514,22 @@ def to_device(rows, rt):
 
 
 @torch.no_grad()
-def evaluate(model, data, cfg, rt):
-    """Mean validation loss over the fixed validation set (the first n_eval sequences of val.bin)."""
-    total = torch.zeros(2, device=rt.device, dtype=torch.float64)
+def evaluate(model, data, cfg, rt, stats=False):
+    """Mean validation loss over the fixed validation set (the first n_eval sequences of val.bin); with stats, also the
+    routing statistics of its first microbatch (metrics.routing_stats: that one runs the reference routing, which
+    records the weights), else None."""
+    total, routing = torch.zeros(2, device=rt.device, dtype=torch.float64), None
+    record = stats and cfg.residual in ("attnres", "mhar", "delta")
     for first in range(rt.rank * cfg.micro_batch, data.n_eval, cfg.micro_batch * rt.world):
         x, y = to_device(data.val.rows([i * cfg.block_size for i in range(first, first + cfg.micro_batch)]), rt)
         with rt.autocast:
-            _, loss = model(x, y)
+            _, loss, *alpha = model(x, y, return_routing=record and routing is None)
+        if alpha:
+            routing = routing_stats(alpha[0], delta=cfg.residual == "delta")
         total += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), device=rt.device, dtype=torch.float64)])
     if rt.ddp:
         dist.all_reduce(total)
-    return (total[0] / total[1]).item()
+    return (total[0] / total[1]).item(), routing
 
 
 def microbatch(data, cfg, rt, step, micro):
@@ -573,106 +584,6 @@ def optimizer_step(optimizer, params, grad_clip, world=None, zero_grad=None):
     return grad_norm
 
 
-class StepLog:
-    """Step lines on stdout and records in out_dir/log.jsonl (rank 0). Step losses and gradient norms stay on the
-    device until a flush, which checks them for non-finite values (stopping the run before anything is saved) and
-    then times the window: after the losses reach the host, so that it holds the GPU's work (a CUDA-graph step is
-    queued far faster than it runs). It also knows the last checkpoint, for messages that say which one is intact."""
-
-    def __init__(self, cfg, rt, model, device_name, step, saved_step):
-        self.cfg, self.rt, self.model, self.device_name = cfg, rt, model, device_name
-        self.path = os.path.join(cfg.out_dir, "log.jsonl")
-        self.start_step, self.pending, self.speeds = step, [], []   # pending: (step, loss, gradient norm) tensors
-        self.saved_step = saved_step   # the step of out_dir/ckpt.pt (None: this run has none)
-        self.t0, self.n_window = time.time(), 0
-        self.evals = {}   # step -> val loss, with those already in the log of a resumed run
-        if cfg.init_from == "resume" and os.path.isfile(self.path):
-            if rt.master:
-                trim_log(self.path, step, rt.say)
-            for rec in read_log(self.path):
-                if "val_loss" in rec and rec["step"] <= step:
-                    self.evals[rec["step"]] = rec["val_loss"]
-
-    def stop(self, problem, advice="Try a lower --lr, a longer --warmup_steps, or --dtype=float32."):
-        """A non-finite state: say so, saying which checkpoint is intact, and exit 2 (nothing is saved)."""
-        ckpt = os.path.join(self.cfg.out_dir, "ckpt.pt")
-        kept = (f"The last checkpoint, {ckpt} (step {self.saved_step}), is intact" if self.saved_step is not None
-                else "This run has saved no checkpoint")
-        self.rt.say(f"train.py: {problem}; stopping before any further save. {kept}. {advice}", flush=True)
-        if self.rt.ddp:
-            dist.destroy_process_group()
-        sys.exit(2)
-
-    def check_weights(self, step, named_params):
-        """Before a save: every parameter finite (one host sync), or stop."""
-        flags = torch.stack([(p.to_local() if is_dtensor(p) else p).isfinite().all() for _, p in named_params])
-        if self.rt.ddp:   # FSDP shards: every rank's verdict
-            flags = flags.to(torch.int32)
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        bad = [n for (n, _), ok in zip(named_params, flags.tolist()) if not ok]
-        if bad:
-            self.stop(f"non-finite weights after step {step} ({len(bad)} of {len(named_params)} tensors, e.g. {bad[0]}; "
-                      "the losses so far were finite, the last update was not)")
-
-    def write(self, record):
-        if self.rt.master:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def mfu(self, tok_s):
-        return self.model.estimate_mfu(tok_s / self.rt.world, self.device_name, self.cfg.block_size)
-
-    def step(self, step, loss, grad_norm):
-        self.pending.append((step, loss, grad_norm))
-        self.n_window += 1
-        if step % self.cfg.log_interval == 0 or step == self.cfg.max_steps:
-            self.flush()
-
-    def flush(self):
-        """Log the pending steps, and start a new timing window."""
-        if self.pending:
-            values = torch.stack([torch.stack([l.float(), g.float()]) for _, l, g in self.pending]).tolist()
-            losses = [v[0] for v in values]
-            dt = (time.time() - self.t0) / self.n_window
-            for (s, _, _), (loss, norm) in zip(self.pending, values):
-                if not math.isfinite(loss):
-                    self.stop(f"non-finite loss {loss} at step {s}")
-                if not math.isfinite(norm):
-                    self.stop(f"non-finite gradient norm {norm} at step {s} (its update made the weights non-finite)")
-            s, loss, tok_s = self.pending[-1][0], losses[-1], self.cfg.batch_tokens / dt
-            if s > self.start_step + self.n_window:   # the first window holds compilation and warm-up
-                self.speeds.append(tok_s)
-            mfu, eta = self.mfu(tok_s), (self.cfg.max_steps - s) * dt
-            self.rt.say(f"step {s}/{self.cfg.max_steps} | loss {loss:.4f} | lr {lr_at(self.cfg, s - 1):.2e} | "
-                        f"{dt * 1000:.0f} ms | {tok_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
-                        f"eta {int(eta // 3600)}h{int(eta % 3600 // 60):02d}m{int(eta % 60):02d}s")
-            self.write({"step": s, "loss": loss, "lr": lr_at(self.cfg, s - 1), "dt_ms": dt * 1000, "tok_per_s": tok_s})
-            self.pending = []
-        self.t0, self.n_window = time.time(), 0
-
-    def peak_mem(self):
-        return f" | peak mem {torch.cuda.max_memory_allocated(self.rt.device) / 1e9:.1f} GB" if self.rt.device_type == "cuda" else ""
-
-    def eval(self, step, val, val_ema=None):
-        for name, v in (("validation loss", val), ("EMA validation loss", val_ema)):
-            if v is not None and not math.isfinite(v):
-                self.stop(f"non-finite {name} {v} at step {step} with finite weights",
-                          "An overflow in the eval's compute dtype? Try --dtype=float32, or a lower --lr")
-        self.evals[step] = val
-        tail = [self.evals[k] for k in sorted(self.evals)][-11:]   # the paper's metric: the tail-mean of 11 evals
-        self.rt.say(f"eval step {step} | val_loss {val:.4f} | tail-mean({len(tail)}) {sum(tail) / len(tail):.4f}"
-                    + (f" | ema {val_ema:.4f}" if val_ema is not None else "") + self.peak_mem())
-        self.write({"step": step, "val_loss": val, **({} if val_ema is None else {"val_loss_ema": val_ema})})
-
-    def done(self, step):
-        if self.speeds:
-            tok_s = float(np.median(self.speeds))
-            mfu = self.mfu(tok_s)
-            self.rt.say(f"done: step {step} | median {tok_s:,.0f} tok/s after warm-up | mfu "
-                        f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}{self.peak_mem()} | last val_loss "
-                        f"{self.evals[max(self.evals)]:.4f}")
-
-
 def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
     n_params = model.num_params()
     n_extra = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("routes.", "hyper.")))
@@ -710,10 +621,11 @@ def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
 def main(argv):
     try:
         cfg = parse_args(argv)
-    except ValueError as e:
+        Tracker.check(cfg)
+    except (ValueError, RuntimeError) as e:
         fail(e)
     rt = setup_runtime(cfg)
-    data = load_data(cfg, rt.world)
+    data = load_data(cfg, rt.world, rt.rank)
     if rt.master:
         try:
             lock_out_dir(cfg.out_dir)   # before anything in out_dir is read or moved
@@ -743,7 +655,8 @@ def main(argv):
     log_header(cfg, rt, raw_model, mcfg, data, model_source, step, device_name)
     extra = {"model_config": asdict(mcfg), "model_source": model_source, "train_config": asdict(cfg), "meta": data.meta,
              "tokenizer": data.meta["tokenizer"], "tokenizer_id": data.meta["tokenizer_id"], "git": git_revision()}
-    log = StepLog(cfg, rt, raw_model, device_name if rt.device_type == "cuda" else None, step, saved_step)
+    log = StepLog(cfg, rt, raw_model, device_name if rt.device_type == "cuda" else None, step, saved_step,
+                  Tracker(cfg, rt.master, extra["train_config"]), data.bytes_per_token)
     grad_sync = OverlappedGradSync(params, cfg.grad_bucket_mb) if grad_sync_plan(cfg, rt)[0] else None
     graphed = GraphedMicrostep(model, rt.autocast, loss_scale=1 / data.accum, grad_sync=grad_sync) if rt.graphs else None
     wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -775,12 +688,12 @@ def main(argv):
                 if rt.ddp:
                     dist.destroy_process_group()
                 sys.exit(128 + stop.signum)
-            val = evaluate(raw_model, data, cfg, rt)
+            val, routing = evaluate(raw_model, data, cfg, rt, stats=True)
             val_ema = None
             if ema is not None:   # the EMA weights, swapped in for an eval of their own
                 with ema.swapped_in():
-                    val_ema = evaluate(raw_model, data, cfg, rt)
-            log.eval(step, val, val_ema)
+                    val_ema = evaluate(raw_model, data, cfg, rt)[0]
+            log.eval(step, val, val_ema, routing)
             log.flush()   # a new timing window after the eval
         if last:
             log.done(step)
@@ -797,7 +710,7 @@ def main(argv):
         if ema is not None:
             ema.update()
         step += 1
-        log.step(step, loss_sum / data.accum, grad_norm)
+        log.step(step, loss_sum / data.accum, grad_norm, lr_at(cfg, step - 1))
     if dist.is_initialized():
         dist.destroy_process_group()
 
