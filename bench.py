@@ -36,9 +36,13 @@ import argparse
 import functools
 import gc
 import os
+import signal
 import sys
 import time
 from types import SimpleNamespace
+
+if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing is written yet)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torch.distributed as dist
@@ -47,8 +51,10 @@ import bench_routing
 import graphs
 import routing_kernel as rk
 import train
-from bench_routing import header, pick, time_chain, write_json
+from bench_routing import check_options, header, pick, time_chain, write_json
+from metrics import mfu
 from model import GPT, GPTConfig, route_reference
+from prepare_data import run_script
 
 # a scale: its config files (applied in order) or the shape itself. 124m: paper Table 9's width control, d768 at the
 # 100M recipe's microbatch (8 x 2048; the paper trained it at sequence 2048, global batch 64)
@@ -146,7 +152,7 @@ def bench_one(scale, variant, device, steps, warmup, compile_model, vocab, profi
     row = dict(scale=scale, variant=variant, cuda_graph=graphed is not None, micro_batch=B, seq_len=T, tok_s=tok_s,
                accum=accum, world=world, grad_sync=grad_sync, grad_bytes=sum(p.numel() * p.element_size() for p in params),
                step_ms=1e3 * step_s, step_ms_min=1e3 * min(times), step_ms_each=[round(1e3 * t, 3) for t in times],
-               mfu=model.estimate_mfu(tok_s, torch.cuda.get_device_name(device) if cuda else None, T),
+               mfu=mfu(model, tok_s, torch.cuda.get_device_name(device) if cuda else None, T),
                peak_gb=(torch.cuda.max_memory_allocated(device) - held) / 1e9 if cuda else None,
                held_before_gb=held / 1e9 if cuda else None, params=model.num_params(), loss=loss.item())
     if grad_sync == "after":   # the all-reduce alone, on gradients of the step's shapes
@@ -231,6 +237,10 @@ def table(rows, scales, variants):
     return "\n".join(lines)
 
 
+STEP_RULES = [("steps", lambda v: v >= 1, "an integer >= 1"), ("warmup", lambda v: v >= 0, "an integer >= 0"),
+              ("vocab", lambda v: v >= 2, "an integer >= 2")]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     modes = {"routing": bench_routing.main, "generate": generate_main, "ddp": ddp_main}   # 2-4: pages of their own
@@ -250,8 +260,7 @@ def main(argv=None):
     p.add_argument("--output", default="out/bench.json", help="results JSON")
     args = p.parse_args(argv)
     scales, variants = pick(args.scales, SCALES, "scale"), pick(args.variants, VARIANTS, "variant")
-    if args.steps < 1 or args.warmup < 0:
-        sys.exit(f"bench.py: error: --steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+    check_options("bench.py", args, STEP_RULES)
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -296,6 +305,7 @@ def generate_main(argv):
     p.add_argument("--residual", default="mhar", choices=("baseline", "hyper", "attnres", "mhar"))
     p.add_argument("--output", default="out/generate_bench.json", help="results JSON")
     args = p.parse_args(argv)
+    check_options("bench.py generate", args, [])
     batches = [int(x) for x in args.batch.split(",") if x.strip().isdigit()]
     if len(batches) != len(args.batch.split(",")) or min(batches + [args.prompt, args.new]) < 1:
         sys.exit(f"bench.py generate: error: --prompt={args.prompt}, --new={args.new} and --batch={args.batch!r} "
@@ -348,6 +358,8 @@ def ddp_args(argv):
     args = p.parse_args(argv)
     args.scales, args.variants = pick(args.scales, SCALES, "scale"), pick(args.variants, VARIANTS, "variant")
     args.ways = pick(args.ways, WAYS, "way")
+    check_options("bench.py ddp", args, STEP_RULES + [("accum", lambda v: v >= 0, "an integer >= 0 (0: the scale's)"),
+                                                      ("bucket_mb", lambda v: v > 0, "a finite number > 0")])
     if "overlap" in args.ways and (args.device == "cpu" or args.cuda_graph == "False"):
         print("bench.py ddp: overlap runs in the graphs (train.py's grad_sync_plan); on eager steps it is the "
               "all-reduce after the backward", file=sys.stderr)
@@ -416,4 +428,4 @@ def ddp_table(rows, world):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "bench.py", "; no results file was written")

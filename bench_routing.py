@@ -47,6 +47,20 @@ def pick(text, known, what):
     return names
 
 
+def check_options(prog, args, rules):
+    """Each rules entry (option, test, range in words) of args, else a one-line error naming the value and its range;
+    the --device too."""
+    for name, ok, words in rules:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and ok(value)):
+            sys.exit(f"{prog}: error: --{name}={value} must be {words}")
+    try:
+        from prepare_data import check_device
+        check_device(args.device)
+    except ValueError as e:
+        sys.exit(f"{prog}: error: {e}")
+
+
 def header(device):
     """The run's git revision, torch and Triton versions and device, for every results file."""
     try:
@@ -60,10 +74,10 @@ def header(device):
 
 def write_json(path, **fields_):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         json.dump(fields_, f, indent=1)
+    os.replace(path + ".tmp", path)
     print(f"wrote {path}")
-
 
 
 def run_chain(route_site, source0, n_sites, sublayer):
@@ -286,8 +300,16 @@ def load_authors(path):
     if not os.path.isfile(path):
         sys.exit(f"bench.py routing: --authors={path}: no such file; pass your copy of the authors' mhar_triton.py")
     spec = importlib.util.spec_from_file_location("authors_mhar_triton", path)
+    if spec is None:
+        sys.exit(f"bench.py routing: --authors={path} is not a Python file (.py); pass your copy of the authors' "
+                 "mhar_triton.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:   # a syntax error, or not Python at all
+        line = f", line {e.lineno}" if isinstance(e, SyntaxError) and e.lineno else ""
+        sys.exit(f"bench.py routing: --authors={path}{line} does not load ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0] if str(e) else ''}): not the authors' mhar_triton.py")
     missing = [name for name in ("MHARFusedContext", "_FusedMHARFn") if not hasattr(module, name)]
     if missing:
         sys.exit(f"bench.py routing: --authors={path} has no {', '.join(missing)}: not the authors' mhar_triton.py")
@@ -402,7 +424,9 @@ def chosen_shapes(args):
     if args.blocks and args.tune_train == ",".join(routing_config.TUNABLE):   # the default: the block chain's
         kernels = list(allowed)
     if any(k not in allowed for k in kernels):
-        sys.exit(f"bench.py routing: --tune-train=KERNEL[,KERNEL]: one of {', '.join(allowed)}")
+        unknown = ", ".join(k for k in kernels if k not in allowed) or "(none given)"
+        sys.exit(f"bench.py routing: --tune-train={args.tune_train}: unknown setting {unknown}; choose from "
+                 f"{', '.join(allowed)}")
     if args.blocks is not None and (args.authors or args.peers or args.delta):
         sys.exit("bench.py routing: --blocks times this repo's block chain alone: drop --authors, --peers and --delta "
                  "(they time full routing or delta mode)")
@@ -457,6 +481,7 @@ def time_shapes(args, shapes, copy_bw, device):
 
 def main(argv):
     args = parse(argv)
+    check_options("bench.py routing", args, [])   # its --device (--blocks and --heads: against the shapes, next)
     shapes, kernels = chosen_shapes(args)
     authors, peers = load_authors(args.authors) if args.authors else None, load_peers(args.peers) if args.peers else None
     device = args.device

@@ -15,8 +15,9 @@ the errors into its one-line messages; eval.py and the results/ report scripts r
 """
 import atexit
 import errno
-import hashlib
+import filecmp
 import json
+import mmap
 import os
 import random
 import shutil
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import time
 import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -51,11 +54,49 @@ def is_dtensor(t):   # an FSDP2 shard? (torch.distributed.tensor is imported by 
     return "torch.distributed.tensor" in sys.modules and isinstance(t, sys.modules["torch.distributed.tensor"].DTensor)
 
 
-def read_checkpoint(path):
-    """torch.load of a checkpoint (memory-mapped: tensors are read when used), or a ValueError naming the file, what
-    is wrong with it and what to do (torch's own message for a truncated or foreign file points elsewhere)."""
+def verify_checkpoint(path):
+    """Check a torch.save archive by content: every record against the CRC-32 its zip directory holds (torch writes
+    them; a damaged byte anywhere changes one), the records spread over threads (zlib releases the GIL). Raises a
+    ValueError that calls the file damaged; returns its size in bytes."""
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+        records = [(i.filename, i.header_offset, i.compress_size, i.CRC) for i in zf.infolist()]
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            def bad(record):
+                name, header, size, crc = record
+                start = header + 30 + int.from_bytes(data[header + 26:header + 28], "little") + \
+                    int.from_bytes(data[header + 28:header + 30], "little")   # past the local header, name and extra
+                view = memoryview(data)[start:start + size]
+                try:
+                    return None if zlib.crc32(view) == crc else name
+                finally:
+                    view.release()
+            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+                damaged = [n for n in pool.map(bad, records) if n is not None]
+    if damaged:
+        raise ValueError(f"checkpoint {path} is damaged: {len(damaged)} of its {len(records)} records fail their CRC "
+                         f"check (e.g. {damaged[0]}); its bytes changed after it was written")
+    return os.path.getsize(path)
+
+
+def read_checkpoint(path, verify=True):
+    """torch.load of a checkpoint (memory-mapped: tensors are read when used), first checked by content
+    (verify_checkpoint; verify=False: a look at its keys only), or a ValueError naming the file, what is wrong with it
+    and what to do (torch's own message for a truncated or foreign file points elsewhere)."""
+    if path.endswith(".safetensors"):
+        raise ValueError(f"{path} is a safetensors file (weights alone, e.g. of a Hugging Face model), not a checkpoint "
+                         "of this repository: convert its folder with convert.py --hf_dir=<that folder>")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        if verify and zipfile.is_zipfile(path):
+            verify_checkpoint(path)
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        if not (isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt):
+            raise ValueError(f"checkpoint {path} is not a checkpoint of this repository (a torch file without its "
+                             "model weights and config)")
+        return ckpt
+    except ValueError as e:
+        if str(e).startswith(f"checkpoint {path} is damaged"):
+            raise ValueError(f"{e}{_before_it(path)}") from None
+        raise
     except Exception as e:
         size = os.path.getsize(path) if os.path.isfile(path) else None
         if size == 0:
@@ -64,10 +105,14 @@ def read_checkpoint(path):
             what = "is not a torch.save archive (truncated, or not a checkpoint)"
         else:
             what = f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        prev = previous_checkpoint(path)
-        hint = (f"; the checkpoint before it, {prev}, may be intact: pass that file, or move {path} aside"
-                if os.path.isfile(prev) else "; rerun the training that wrote it")
-        raise ValueError(f"checkpoint {path} {what}{hint}") from e
+        raise ValueError(f"checkpoint {path} {what}{_before_it(path)}") from e
+
+
+def _before_it(path):
+    prev = previous_checkpoint(path)
+    return (f"; try the checkpoint before it, {prev}: pass that file, or move {path} aside (--init_from=resume "
+            "does so itself)" if os.path.isfile(prev) and os.path.basename(path) == "ckpt.pt" else
+            "; rerun the training that wrote it")
 
 
 def save_checkpoint(path, model, optimizer, ema, step, extra, cfg, rt):
@@ -122,7 +167,7 @@ def write_checkpoint(path, payload, step):
         torch.save(payload, tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        read_checkpoint(tmp)
+        verify_checkpoint(tmp)   # read back whole, by content: what makes a checkpoint "intact" in every message
     except Exception as e:
         message = write_failure(path, tmp, step, e)   # (it looks at the partial file: before its removal)
         if os.path.exists(tmp):
@@ -188,10 +233,10 @@ def load_latest(ckpt_path, master, say=print):
         if path == prev and master:
             aside = None
             if os.path.isfile(ckpt_path):
-                aside = f"{ckpt_path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+                aside = f"{ckpt_path}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
                 os.replace(ckpt_path, aside)
-            say(f"train.py: {errors[0]}; resuming from the checkpoint before it, {prev} (step {ckpt['step']})"
-                + (f"; the unreadable file is now {aside}" if aside else ""))
+            say(f"train.py: {errors[0]}; resuming from the checkpoint before it, {prev} (step {ckpt['step']}, "
+                f"checked)" + (f"; the file that failed is now {aside}" if aside else ""))
         return ckpt
     raise ValueError("--init_from=resume but no checkpoint can be read: " + "; ".join(errors)
                      + ". Start again with --init_from=scratch in a new --out_dir")
@@ -222,20 +267,23 @@ def restore(ckpt, model, optimizer, ema, cfg, rt):
 
 # ---- what a checkpoint says it came from: the data and the tree ----------------------------------------------------
 
-def data_identity(data_dir, meta, block=1 << 16, samples=64):
-    """What a resume checks the data against: meta.json's tokenizer and inputs, and per token file its size and a
-    SHA-256 of both ends and `samples` evenly spaced blocks (a few MB read, whatever the file's size). No paths: a
-    folder moved elsewhere holds the same data."""
-    files = {}
-    for name in ("train.bin", "val.bin"):
-        path = os.path.join(data_dir, name)
-        size, digest = os.path.getsize(path), hashlib.sha256()
-        last = max(0, size - block)
-        with open(path, "rb") as f:
-            for offset in sorted({0, last, *(i * last // samples for i in range(samples))}):
-                f.seek(offset)
-                digest.update(f.read(block))
-        files[name] = {"bytes": size, "sampled_sha256": digest.hexdigest()}
+def keep_tokenizer(out_dir, tokenizer, master):
+    """The tokenizer a checkpoint records: a tiktoken name as it is; a tokenizer.json copied into out_dir (rank 0) and
+    recorded by that name, read from the checkpoint's folder: the run keeps its own, so that moving the data folder or
+    the converted model it came from breaks no sample.py, eval.py or export.py."""
+    if not tokenizer.endswith(".json") or not os.path.isfile(tokenizer):
+        return tokenizer
+    kept = os.path.join(out_dir, "tokenizer.json")
+    if master and not (os.path.isfile(kept) and filecmp.cmp(tokenizer, kept, shallow=False)):
+        shutil.copyfile(tokenizer, kept + ".tmp")
+        os.replace(kept + ".tmp", kept)
+    return "tokenizer.json"
+
+
+def data_identity(meta, files):
+    """What a resume checks the data against: meta.json's tokenizer and inputs, and per token file its size and the
+    SHA-256 of its sampled blocks (`files`, from prepare_data.check_files). No paths: a folder moved elsewhere holds the
+    same data."""
     return {"tokenizer_id": meta.get("tokenizer_id"), "inputs": meta.get("inputs"), "val_inputs": meta.get("val_inputs"),
             "files": files}
 

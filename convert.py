@@ -14,13 +14,18 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 
+if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing is written yet)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import torch
 
+from checkpoint import verify_checkpoint
 from model import GPT, GPTConfig
-from prepare_data import check_device, load_tokenizer, tokenizer_id
+from prepare_data import check_device, load_tokenizer, run_script, tokenizer_id
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 # Hugging Face tensor names -> model.py names ({i} = layer)
@@ -45,7 +50,9 @@ IGNORED = ("rotary_emb.inv_freq",)   # buffers some exporters store; model.py re
 
 def model_config(hf, route_heads=None, num_blocks=8, block_size=None):
     """GPTConfig of the delta model for a Hugging Face config.json dict. Raises ValueError on what it cannot map."""
-    arch = (hf.get("architectures") or [None])[0]
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json holds a {type(hf).__name__}, not a Hugging Face config (a JSON object)")
+    arch = architecture(hf)
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} (model_type {hf.get('model_type')!r}) is not supported: "
                          f"convert.py reads {', '.join(ARCHITECTURES)}")
@@ -65,6 +72,11 @@ def model_config(hf, route_heads=None, num_blocks=8, block_size=None):
             scaling = None
         elif scaling["rope_type"] != "llama3":
             raise ValueError(f"rope scaling {scaling['rope_type']!r} is not supported (llama3 or none)")
+    missing = [k for k in ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size")
+               if not isinstance(hf.get(k), int)]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)} (or gives a non-integer): a truncated or edited "
+                         "config? Download it again")
     n_head = hf["num_attention_heads"]
     return GPTConfig(
         vocab_size=hf["vocab_size"], block_size=block_size or hf.get("max_position_embeddings", 4096),
@@ -74,6 +86,12 @@ def model_config(hf, route_heads=None, num_blocks=8, block_size=None):
         rope_theta=float(theta), rope_scaling=scaling, norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), residual="delta",
         route_heads=route_heads, num_blocks=num_blocks)
+
+
+def architecture(hf):
+    """config.json's architecture: the first of its list (a bare string read as one name)."""
+    archs = hf.get("architectures")
+    return archs if isinstance(archs, str) else archs[0] if isinstance(archs, list) and archs else None
 
 
 def read_json(path):
@@ -207,6 +225,8 @@ def main(argv=None):
         if not os.path.isdir(args.hf_dir):
             raise FileNotFoundError(f"--hf_dir={args.hf_dir}: no such folder")
         check_device(args.device)
+        if os.path.isdir(args.out_dir) and os.path.samefile(args.hf_dir, args.out_dir):
+            raise ValueError(f"--out_dir={args.out_dir} is --hf_dir: write the converted model to a folder of its own")
         out = os.path.join(args.out_dir, "ckpt.pt")
         if os.path.exists(out) and not args.force:
             raise FileExistsError(f"{out} exists: choose another --out_dir or pass --force")
@@ -223,8 +243,8 @@ def main(argv=None):
         model = build(cfg, weights)
         del weights
         n = sum(p.numel() for p in model.parameters())
-        print(f"{ARCHITECTURES[hf['architectures'][0]]}: {cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head}/{cfg.n_kv_head} heads "
-              f"of {cfg.hd}, vocab {cfg.vocab_size}, {n:,} parameters; delta routing: {cfg.n_sites} sites, "
+        print(f"{ARCHITECTURES[architecture(hf)]}: {cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head}/{cfg.n_kv_head} "
+              f"heads of {cfg.hd}, vocab {cfg.vocab_size}, {n:,} parameters; delta routing: {cfg.n_sites} sites, "
               f"H {cfg.heads}, {cfg.num_blocks} blocks of {cfg.n_layer // cfg.num_blocks} layers")
         if args.check_batches:
             worst = identity_check(model, args.check_batches, device=args.device)
@@ -248,10 +268,15 @@ def main(argv=None):
             "tokenizer_id": tokenizer_id(os.path.join(args.out_dir, tokenizer)) if tokenizer and tokenizer.endswith(".json")
             else tokenizer, "converted_from": {"hf_dir": os.path.abspath(args.hf_dir), "config": hf},
             "train_config": None, "optimizer": None}
-    torch.save(ckpt, out + ".tmp")
-    os.replace(out + ".tmp", out)
+    try:
+        torch.save(ckpt, out + ".tmp")
+        verify_checkpoint(out + ".tmp")   # read back by content before it lands
+        os.replace(out + ".tmp", out)
+    finally:
+        if os.path.exists(out + ".tmp"):
+            os.remove(out + ".tmp")
     print(f"wrote {out} ({args.dtype}) in {time.time() - t0:.0f}s")
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "convert.py", "; no checkpoint was written (one already in --out_dir is as it was)")

@@ -34,15 +34,19 @@ import lzma
 import math
 import os
 import re
+import signal
 import sys
 from contextlib import nullcontext
+
+if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing is written yet)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torch.nn.functional as F
 
 from checkpoint import read_log
 from model import GPT, route_reference
-from prepare_data import TokenData, check_device, checkpoint_tokenizer, load_tokenizer
+from prepare_data import TokenData, check_device, check_files, checkpoint_tokenizer, load_tokenizer, run_script
 
 TASKS = ("wikitext2", "lambada", "hellaswag")
 LOCAL = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "lambada": "lambada/lambada_test.jsonl",
@@ -480,6 +484,7 @@ def run_probe(args, model, enc):
     T = args.block_size or default_block_size(model)
     if args.data_dir:
         meta = json.load(open(os.path.join(args.data_dir, "meta.json")))
+        check_files(args.data_dir, meta)   # sizes and sampled blocks against meta.json
         data = TokenData(os.path.join(args.data_dir, "val.bin"), meta["dtype"], T, 0)
         n = min(args.batch_size, data.n_seq)
         if n == 0:
@@ -562,6 +567,9 @@ def main(argv=None):
     p.add_argument("--slices", type=int, default=4, help="--probe: query slices of the Table 6 probe")
     p.add_argument("--plot", nargs="+", metavar="LOG", default=None, help="plot these log.jsonl files and exit")
     args = p.parse_args(argv)
+    for name in ignored_options(args, p):
+        print(f"eval.py: --{name}={getattr(args, name)} is unused " + ("with --plot" if args.plot else "with --probe" if
+              args.probe else "without --probe") + "; ignored", file=sys.stderr)
     try:
         if args.plot:
             missing = [p for p in args.plot if not os.path.isfile(p)]
@@ -574,10 +582,9 @@ def main(argv=None):
         unknown = [t for t in tasks if t not in TASKS and not args.harness]
         if unknown or not tasks:
             raise ValueError(f"--tasks={args.tasks!r}: unknown task(s) {unknown}; choose from {','.join(TASKS)}")
-        for name in ("limit", "block_size"):
-            v = getattr(args, name)
-            if v is not None and v < (2 if name == "block_size" else 1):
-                raise ValueError(f"--{name}={v} is too small")
+        for name, least in (("limit", 1), ("block_size", 2)):
+            if getattr(args, name) is not None and getattr(args, name) < least:
+                raise ValueError(f"--{name}={getattr(args, name)} must be >= {least}")
         if args.batch_size < 1:
             raise ValueError(f"--batch_size={args.batch_size} must be >= 1")
         if args.slices < 1:
@@ -626,5 +633,15 @@ def main(argv=None):
     return results
 
 
+def ignored_options(args, parser):
+    """The options given other than their defaults that the chosen mode (--plot, --probe, the tasks) does not read."""
+    used = ({"plot", "output"} if args.plot else
+            {"out_dir", "block_size", "data_root", "output", "device", "batch_size", "tokenizer", "probe", "data_dir",
+             "probe_dir", "slices"} if args.probe else
+            {"out_dir", "tasks", "harness", "limit", "block_size", "data_root", "output", "device", "batch_size",
+             "tokenizer", "probe"})
+    return [k for k, v in vars(args).items() if k not in used and v != parser.get_default(k)]
+
+
 if __name__ == "__main__":
-    main()
+    run_script(main, "eval.py", "; no results file was written")

@@ -21,14 +21,18 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+
+if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing is written yet)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 
 from convert import NAMES
 from model import GPT
-from prepare_data import check_device
+from prepare_data import check_device, run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("model.py", "checkpoint.py", "generation.py", "graphs.py", "routing_config.py", "routing_call.py",
@@ -45,10 +49,8 @@ def load(path):
     if not os.path.isfile(path):
         raise ValueError(f"--out_dir={path}: no checkpoint there (pass a train.py or convert.py out_dir, or a ckpt.pt)")
     from checkpoint import read_checkpoint
-    ckpt = read_checkpoint(path)
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise ValueError(f"{path} is not a checkpoint of this repository (no model weights and config in it)")
-    model = GPT.from_checkpoint(path)
+    ckpt = read_checkpoint(path)   # checked by content
+    model = GPT.from_checkpoint(path, ckpt=ckpt)
     model.eval()
     return model, ckpt
 
@@ -359,4 +361,4 @@ class MHARForCausalLM(PreTrainedModel, GenerationMixin):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "export.py", "; --hf_dir is as it was (the folder is written beside it, then moved)")

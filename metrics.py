@@ -1,8 +1,8 @@
 """
 What a run reports (train.py's StepLog): one line per logged step and per eval on stdout, their records in
 out_dir/log.jsonl, the checks that stop a run on a non-finite state; validation bits per byte (val_bpb), which
-compares across tokenizers; routing statistics at each eval, the method's own signal; and an optional tracker
-(Weights & Biases, --wandb_log). log.jsonl stays the record; the tracker gets the same numbers.
+compares across tokenizers; routing statistics at each eval, the method's own signal; model FLOPs utilisation (mfu);
+and an optional tracker (Weights & Biases, --wandb_log). log.jsonl stays the record; the tracker gets the same numbers.
 
 Records in log.jsonl: {"step", "loss", "lr", "grad_norm", "dt_ms", "tok_per_s"} per logged step; {"step",
 "val_loss", "val_bpb", "routing"} per eval, routing (attnres, mhar, delta) = per site, from the eval's first
@@ -165,7 +165,7 @@ class StepLog:
                 self.tracker.log(record)
 
     def mfu(self, tok_s):
-        return self.model.estimate_mfu(tok_s / self.rt.world, self.device_name, self.cfg.block_size)
+        return mfu(self.model, tok_s / self.rt.world, self.device_name, self.cfg.block_size)
 
     def step(self, step, loss, grad_norm, lr):
         self.pending.append((step, loss, grad_norm, lr))
@@ -226,3 +226,26 @@ class StepLog:
             self.rt.say(f"done: step {step} | median {tok_s:,.0f} tok/s after warm-up | mfu "
                         f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}{self.peak_mem()} | last val_loss "
                         f"{self.evals[max(self.evals)]:.4f}")
+
+
+# ---- model FLOPs utilisation --------------------------------------------------------------------------------------------
+
+PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrings of the device name
+    "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12,
+    "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12,
+}
+
+
+def peak_flops(device_name):
+    """Peak bf16 FLOP/s of a device by name; None for a device not in the table (never a guess)."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):   # longest match first: "H100 PCIe" before "H100"
+        if key in (device_name or ""):
+            return PEAK_FLOPS[key]
+    return None
+
+
+def mfu(model, tokens_per_s, device_name, seq_len=None):
+    """Model FLOPs utilisation in [0, 1] (GPT.flops_per_token against the device's peak), or None when the device's
+    peak is unknown."""
+    peak = peak_flops(device_name)
+    return None if peak is None else model.flops_per_token(seq_len) * tokens_per_s / peak

@@ -76,10 +76,11 @@ class GPTConfig:
         if self.residual == "delta" and (not isinstance(self.num_blocks, int) or self.num_blocks < 1
                                          or self.n_layer % self.num_blocks):
             bad(f"num_blocks={self.num_blocks} must divide n_layer={self.n_layer} (blocks of equal length)")
-        if not (isinstance(self.route_scale, (int, float)) and math.isfinite(self.route_scale) and self.route_scale > 0):
-            bad(f"route_scale={self.route_scale!r} must be a positive number (1: the paper's routing)")
-        if not (isinstance(self.route_init_std, (int, float)) and 0 <= self.route_init_std < math.inf):
-            bad(f"route_init_std={self.route_init_std!r} must be a number >= 0 (0: zero queries)")
+        for name, least, note in (("route_scale", 0, "1: the paper's routing"), ("route_init_std", None,
+                                   "0: zero queries"), ("rope_theta", 0, "Qwen3: 1e6"), ("norm_eps", 0, "1e-6")):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if least == 0 else v >= 0)):
+                bad(f"{name}={v!r} must be a finite number {'> 0' if least == 0 else '>= 0'} ({note})")
         if self.route_init_std and self.residual not in ("attnres", "mhar"):
             bad(f"route_init_std={self.route_init_std} is for attnres and mhar, not residual={self.residual!r}")
         if self.route_blocks is not None:
@@ -629,11 +630,6 @@ class GPT(nn.Module):
         n = self.num_params() - (0 if cfg.tie_embeddings else self.wte.weight.numel())
         return 6 * n + 12 * cfg.n_layer * cfg.n_embd * T
 
-    def estimate_mfu(self, tokens_per_s, device_name, seq_len=None):
-        """Model FLOPs utilisation in [0, 1], or None when the device's peak is unknown."""
-        peak = peak_flops(device_name)
-        return None if peak is None else self.flops_per_token(seq_len) * tokens_per_s / peak
-
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, stop=None, cuda_graph=None):
         """Append max_new_tokens tokens to idx (B, T), every row of one length; temperature 0 means greedy; with the KV
         cache by default. The loop and its options: generation.generate."""
@@ -655,27 +651,15 @@ class GPT(nn.Module):
         return model
 
     @classmethod
-    def from_checkpoint(cls, path_or_out_dir, device="cpu"):
-        """The model of a train.py checkpoint (a ckpt.pt file, or the out_dir holding one)."""
+    def from_checkpoint(cls, path_or_out_dir, device="cpu", ckpt=None):
+        """The model of a train.py checkpoint (a ckpt.pt file, or the out_dir holding one), checked by content
+        (checkpoint.read_checkpoint); ckpt: that file already read."""
         path = os.path.join(path_or_out_dir, "ckpt.pt") if os.path.isdir(path_or_out_dir) else path_or_out_dir
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no checkpoint at {path}: pass a ckpt.pt file or the out_dir of a train.py run")
-        ckpt = read_checkpoint(path)
+        ckpt = read_checkpoint(path) if ckpt is None else ckpt
         model = cls.from_state(GPTConfig.from_dict(ckpt["model_config"]), ckpt["model"]).float()
         model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
         model.checkpoint_info["dir"] = os.path.dirname(os.path.abspath(path))   # a tokenizer.json lives beside it
         return model.to(device)
 
-
-PEAK_FLOPS = {  # dense bf16 tensor-core peaks (datasheets), matched as substrings of the device name
-    "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12,
-    "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12,
-}
-
-
-def peak_flops(device_name):
-    """Peak bf16 FLOP/s of a device by name; None for a device not in the table (never a guess)."""
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):   # longest match first: "H100 PCIe" before "H100"
-        if key in (device_name or ""):
-            return PEAK_FLOPS[key]
-    return None

@@ -21,10 +21,15 @@ Examples:
 import argparse
 import glob
 import gzip
+import hashlib
 import json
 import lzma
+import multiprocessing
 import os
+import re
 import shutil
+import signal
+import socket
 import sys
 import time
 from collections import deque
@@ -97,12 +102,14 @@ GPT2_VOCABS = (50257, 50304)   # GPT-2's vocabulary, and train.py's padding of i
 
 def check_device(device):
     """The scripts' --device, checked before anything loads: a ValueError naming the value and the fix."""
-    import re
     import torch
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ValueError(f"--device={device!r} is not one of cpu, cuda, cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device={device} but CUDA is not available; use --device=cpu")
+    if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+        raise ValueError(f"--device={device} but this machine has {torch.cuda.device_count()} CUDA device(s): "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 
 
 def checkpoint_tokenizer(info, vocab_size, override=None):
@@ -284,11 +291,32 @@ def hub_documents(text_field="text"):
         raise RuntimeError(offline.format(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")) from None
 
 
+def run_script(main, name, note=""):
+    """A script's entry point: Ctrl-C ends it with one line (what it leaves behind: `note`) and exit status 130, no
+    traceback. (Each script exits quietly on a Ctrl-C while torch is still loading: nothing is written by then.)"""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"{name}: stopped by Ctrl-C{note}", file=sys.stderr)
+        sys.exit(130)
+
+
 _enc = None
 
 
-def _init_worker(name, eot=None):
+def _init_worker(name, eot=None, parent=None):
     global _enc
+    if parent is not None:   # a pool worker: Ctrl-C and SIGTERM are the parent's to handle (_stop), and on Linux
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # the worker dies with it, however it ends (a replacement the
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # pool starts for a killed worker too)
+        try:
+            import ctypes
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):   # not Linux
+            pass
+        if os.getppid() != parent:   # the parent ended before that took hold
+            os._exit(0)
     _enc = load_tokenizer(name, eot=eot)
 
 
@@ -316,7 +344,7 @@ def encode_stream(docs, tokenizer, workers, batch_docs=64, eot=None):
         for batch in batched(docs, batch_docs):
             yield from _encode(batch)
         return
-    with Pool(workers, initializer=_init_worker, initargs=(tokenizer, eot)) as pool:
+    with Pool(workers, initializer=_init_worker, initargs=(tokenizer, eot, os.getpid())) as pool:
         pending = deque()
         for batch in batched(docs, batch_docs):
             pending.append(pool.apply_async(_encode, (batch,)))
@@ -327,29 +355,81 @@ def encode_stream(docs, tokenizer, workers, batch_docs=64, eot=None):
 
 
 class TokenWriter:
-    """Append token arrays to `path`.tmp; renamed into place only when everything succeeded."""
+    """Append token arrays to `path`, hashing them as they go (SHA-256 of the file's bytes: meta.json's)."""
 
     def __init__(self, path, dtype):
         self.path, self.dtype, self.tokens, self.docs = path, dtype, 0, 0
-        self.f = open(path + ".tmp", "wb")
+        self.f, self.sha = open(path, "wb"), hashlib.sha256()
 
     def write(self, toks, limit=None):
         if limit is not None:
             toks = toks[: max(limit - self.tokens, 0)]
-        toks.astype(self.dtype).tofile(self.f)
+        raw = toks.astype(self.dtype).tobytes()
+        self.f.write(raw)
+        self.sha.update(raw)
         self.tokens += len(toks)
         self.docs += 1
         return len(toks)
 
-    def commit(self):
+    def close(self):
         self.f.close()
-        os.replace(self.path + ".tmp", self.path)
+        return {"bytes": os.path.getsize(self.path), "sha256": self.sha.hexdigest(),
+                "sampled_sha256": sampled_sha256(self.path)}
 
-    def abort(self):
-        """A failed prepare: close and remove the partial file."""
-        self.f.close()
-        if os.path.exists(self.path + ".tmp"):
-            os.remove(self.path + ".tmp")
+
+def sampled_sha256(path, block=1 << 16, samples=64):
+    """SHA-256 of a file's both ends and `samples` evenly spaced blocks: ~4 MB read whatever its size (a few
+    milliseconds), what train.py checks at every start; a changed size or a changed sampled block shows."""
+    size, digest = os.path.getsize(path), hashlib.sha256()
+    last = max(0, size - block)
+    with open(path, "rb") as f:
+        for offset in sorted({0, last, *(i * last // samples for i in range(samples))}):
+            f.seek(offset)
+            digest.update(f.read(block))
+    return digest.hexdigest()
+
+
+def check_files(data_dir, meta, full=False):
+    """The token files against meta.json, a ValueError naming the first that differs: its size (the token count meta.json
+    gives), the sampled blocks (when meta.json has them), and with full=True the SHA-256 of every byte (prepare_data.py
+    --verify). Returns each file's size and sampled SHA-256 (what a checkpoint records of its data)."""
+    width, found = np.dtype(meta["dtype"]).itemsize, {}
+    for name, count in (("train.bin", meta["train_tokens"]), ("val.bin", meta["val_tokens"])):
+        path, want = os.path.join(data_dir, name), meta.get("files", {}).get(name, {})
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} not found: prepare the folder again: {remake_command(data_dir, meta)}")
+        size = os.path.getsize(path)
+        if size != count * width:
+            raise ValueError(f"{path} holds {size // width:,} tokens ({size:,} bytes) but meta.json says {count:,}: the "
+                             "folder changed after prepare_data.py wrote it (cut short, or another prepare into it); "
+                             f"prepare it again: {remake_command(data_dir, meta)}")
+        found[name] = {"bytes": size, "sampled_sha256": sampled_sha256(path)}
+        if full and want.get("sha256"):
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(chunk)
+            if digest.hexdigest() != want["sha256"]:
+                raise ValueError(f"{path}: its SHA-256 is not meta.json's: damaged; prepare it again: "
+                                 f"{remake_command(data_dir, meta)}")
+        elif want.get("sampled_sha256") and found[name]["sampled_sha256"] != want["sampled_sha256"]:
+            raise ValueError(f"{path} has meta.json's size but other bytes (its sampled blocks differ): changed or "
+                             f"damaged after it was written; prepare it again: {remake_command(data_dir, meta)}")
+    return found
+
+
+def remake_command(data_dir, meta):
+    """The prepare_data.py command that makes data_dir again from what its meta.json records."""
+    inputs, val = meta.get("inputs") or [], meta.get("val_inputs") or []
+    local = inputs and not inputs[0].startswith("hf://")
+    args = ([f"--input={inputs[0] if len(inputs) == 1 else os.path.commonpath(inputs)}"] if local else []) + \
+        ([f"--val_input={val[0] if len(val) == 1 else os.path.commonpath(val)}"] if val else []) + \
+        ([f"--tokenizer={meta.get('tokenizer_source') or meta['tokenizer']}"] if meta.get("tokenizer", "gpt2") != "gpt2"
+         else []) + [f"--{k}={meta[k]:g}" for k in ("max_tokens", "max_val_tokens") if meta.get(k) is not None]
+    every = re.fullmatch(r"every (\d+)th document", meta.get("val_split", ""))
+    args += ([f"--val_fraction={1 / int(every.group(1)):g}"] if every and every.group(1) != "100" else []) + \
+        ([f"--text_field={meta['text_field']}"] if meta.get("text_field", "text") != "text" else [])
+    return " ".join(["python prepare_data.py", *args, f"--out_dir={data_dir}", "--force"])
 
 
 class TokenData:
@@ -398,13 +478,13 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
     enc = load_tokenizer(tokenizer, eot=eot_token)   # fail early, before reading any data
     if not val_input and not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1) when no --val_input is given")
-    if max_tokens is not None and max_tokens <= 0:
-        raise ValueError(f"max_tokens={max_tokens} must be positive")
+    for name, value in (("max_tokens", max_tokens), ("max_val_tokens", max_val_tokens), ("workers", workers)):
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name}={value} must be a positive whole number")
     if out_dir is None:
         name = "fineweb_edu" if input is None else os.path.basename(input.rstrip("/*")).split(".")[0] or "local"
         out_dir = os.path.join("data", name)
-    files = {s: os.path.join(out_dir, s) for s in ("train.bin", "val.bin", "meta.json")}
-    existing = [p for p in files.values() if os.path.exists(p)]
+    existing = [p for p in (os.path.join(out_dir, s) for s in ("train.bin", "val.bin", "meta.json")) if os.path.exists(p)]
     if existing and not force:
         raise FileExistsError(f"{out_dir} already holds {', '.join(map(os.path.basename, existing))}: "
                               "choose another --out_dir or pass --force to overwrite")
@@ -416,17 +496,17 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
     docs = read_documents(inputs, text_field) if inputs else hub_documents(text_field)
     every = None if val_inputs else max(1, round(1 / val_fraction))
     t0 = time.time()
-    with token_writers(out_dir, dtype) as (train, val):
-        bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({workers} workers)")
-        for i, toks in enumerate(encode_stream(docs, tokenizer, workers, eot=eot_token)):
-            if every is not None and i % every == 0:
-                if max_val_tokens is None or val.tokens < max_val_tokens:
-                    val.write(toks, max_val_tokens)
-                continue
-            bar.update(train.write(toks, max_tokens))
-            if max_tokens is not None and train.tokens >= max_tokens:
-                break
-        bar.close()
+    with staging(out_dir) as stage:
+        train, val = (TokenWriter(os.path.join(stage, name), dtype) for name in ("train.bin", "val.bin"))
+        with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({workers} workers)") as bar:
+            for i, toks in enumerate(encode_stream(docs, tokenizer, workers, eot=eot_token)):
+                if every is not None and i % every == 0:
+                    if max_val_tokens is None or val.tokens < max_val_tokens:
+                        val.write(toks, max_val_tokens)
+                    continue
+                bar.update(train.write(toks, max_tokens))
+                if max_tokens is not None and train.tokens >= max_tokens:
+                    break
         if val_inputs:
             for toks in encode_stream(read_documents(val_inputs, text_field), tokenizer, workers, eot=eot_token):
                 val.write(toks, max_val_tokens)
@@ -435,44 +515,121 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
         if train.tokens == 0 or val.tokens == 0:
             raise RuntimeError(f"got {train.tokens} train and {val.tokens} val tokens: need some of each "
                                "(more input documents, or a larger --val_fraction)")
-        if hub:   # the data folder keeps the Hub model's tokenizer: the runs it feeds read it from here
-            shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+        files = {"train.bin": train.close(), "val.bin": val.close()}
+        identity = tokenizer_id(tokenizer)   # what it is, for checks against a model
+        if hub:   # the data folder keeps the Hub model's tokenizer: the runs it feeds read it from there
+            shutil.copyfile(tokenizer, os.path.join(stage, "tokenizer.json"))
             tokenizer = os.path.join(out_dir, "tokenizer.json")
-        if tokenizer.endswith(".json"):   # record where it came from and what it was, for checks against a model
+        if tokenizer.endswith(".json"):   # and where it came from
             tokenizer = os.path.abspath(tokenizer)
-        write_atomic(os.path.join(out_dir, "token_bytes.bin"), token_byte_table(enc).tobytes())
-        meta = {"tokenizer": tokenizer, "tokenizer_id": tokenizer_id(tokenizer), "vocab_size": enc.n_vocab,
+        write_atomic(os.path.join(stage, "token_bytes.bin"), token_byte_table(enc).tobytes())
+        meta = {"tokenizer": tokenizer, "tokenizer_id": identity, "vocab_size": enc.n_vocab,
                 **({"tokenizer_source": hub, "model_vocab_size": model_vocab} if hub else {}),
                 "eot_token": enc.eot_token, "dtype": np.dtype(dtype).name, "train_tokens": train.tokens,
                 "val_tokens": val.tokens, "train_docs": train.docs, "val_docs": val.docs,
                 "inputs": inputs or [f"hf://{HUB_DATASET}/{HUB_CONFIG}"], "val_inputs": val_inputs,
                 "val_split": "val_input" if val_inputs else f"every {every}th document",
-                "max_tokens": max_tokens, "max_val_tokens": max_val_tokens, "text_field": text_field}
-        train.commit()
-        val.commit()
-        with open(files["meta.json"] + ".tmp", "w") as f:
-            json.dump(meta, f, indent=2)
-        os.replace(files["meta.json"] + ".tmp", files["meta.json"])
+                "max_tokens": max_tokens, "max_val_tokens": max_val_tokens, "text_field": text_field, "files": files}
+        write_atomic(os.path.join(stage, "meta.json"), json.dumps(meta, indent=2))
     print(f"wrote {out_dir}: {train.tokens:,} train tokens ({train.docs:,} docs), "
           f"{val.tokens:,} val tokens ({val.docs:,} docs), {np.dtype(dtype).name}, {time.time() - t0:.1f}s")
     return meta
 
 
+# the prepare in progress, for the stop handler: its staging folder, lock, and whether it made out_dir
+_ACTIVE = {}
+
+
 @contextmanager
-def token_writers(out_dir, dtype):
-    """TokenWriters of out_dir's train.bin and val.bin. When the body fails, their partial files are removed, and
-    out_dir too when this call made it and nothing else is in it."""
+def staging(out_dir):
+    """A folder (out_dir/.incomplete) that one prepare writes every file into, under out_dir/prepare.lock (a second
+    prepare into out_dir is refused, naming the first; train.py refuses the folder while it is held). When the body
+    succeeds its files replace out_dir's, meta.json last (Ctrl-C and SIGTERM held off meanwhile); when it fails the
+    staging folder is removed, and out_dir too when this call made it and nothing else is in it (_stop does the same
+    for a signal)."""
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    writers = TokenWriter(os.path.join(out_dir, "train.bin"), dtype), TokenWriter(os.path.join(out_dir, "val.bin"), dtype)
+    lock = take_lock(out_dir)
+    stage = os.path.join(out_dir, ".incomplete")
+    _ACTIVE.clear()
+    _ACTIVE.update(stage=stage, lock=lock, out_dir=out_dir, created=created)
     try:
-        yield writers
+        shutil.rmtree(stage, ignore_errors=True)   # (left by a prepare that was killed: its lock was stale)
+        os.makedirs(stage)
+        yield stage
+        names = sorted(os.listdir(stage), key=lambda n: n == "meta.json")   # meta.json last: it vouches for the rest
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for name in names:
+                os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+            os.rmdir(stage)
+            os.remove(lock)
+            _ACTIVE.clear()
+            _ACTIVE["done"] = out_dir
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
     except BaseException:
-        for w in writers:
-            w.abort()
-        if created and not os.listdir(out_dir):
-            os.rmdir(out_dir)
+        _discard()
         raise
+
+
+def _discard():
+    """Remove the prepare in progress: its staging folder, its lock, out_dir if it made it and it is empty."""
+    if "stage" in _ACTIVE:
+        shutil.rmtree(_ACTIVE["stage"], ignore_errors=True)
+        if os.path.exists(_ACTIVE["lock"]):
+            os.remove(_ACTIVE["lock"])
+        if _ACTIVE["created"] and not os.listdir(_ACTIVE["out_dir"]):
+            os.rmdir(_ACTIVE["out_dir"])
+        _ACTIVE.clear()
+
+
+def _stop(signum, frame):
+    """Ctrl-C or SIGTERM: kill the pool's workers, remove the partial files, one line, exit 130 / 143. Done here and
+    at once (os._exit): an exception raised wherever the main thread is could land inside the pool's own machinery,
+    whose shutdown can then wait forever on a lock a killed worker held."""
+    for worker in multiprocessing.active_children():
+        worker.kill()
+        worker.join(1)
+    partial, done = "stage" in _ACTIVE, _ACTIVE.get("done")
+    _discard()
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    print(("\n" if partial else "") + f"prepare_data.py: stopped by {name}; " + (
+        "the partial files were removed and the folder holds what it held before" if partial else
+        f"{done} was complete before it" if done else "nothing was written"), file=sys.stderr, flush=True)
+    os._exit(130 if signum == signal.SIGINT else 143)
+
+
+def lock_holder(out_dir):
+    """The pid of a live prepare_data.py that holds out_dir/prepare.lock on this machine, else None."""
+    try:
+        with open(os.path.join(out_dir, "prepare.lock")) as f:
+            pid, host = f.read().split()
+        os.kill(int(pid), 0) if host == socket.gethostname() else None
+        return int(pid)
+    except (OSError, ValueError):   # no lock, a dead process, or a lock that is not one
+        return None
+
+
+def take_lock(out_dir):
+    """out_dir/prepare.lock, hard-linked into place whole (two prepares started together cannot both get it); a lock
+    left by a process that is gone is replaced."""
+    path, mine = os.path.join(out_dir, "prepare.lock"), os.path.join(out_dir, f".prepare.lock.{os.getpid()}")
+    write_atomic(mine, f"{os.getpid()} {socket.gethostname()}")
+    try:
+        for _ in range(2):
+            try:
+                os.link(mine, path)
+                return path
+            except FileExistsError:
+                holder = lock_holder(out_dir)
+                if holder is not None:
+                    raise FileExistsError(f"{out_dir} is being prepared by another prepare_data.py (pid {holder}): "
+                                          "wait for it to finish, or pick another --out_dir") from None
+                os.remove(path)   # stale: its process is gone
+        raise FileExistsError(f"could not take {path}: other prepare_data.py runs keep taking it; try again")
+    finally:
+        os.remove(mine)
 
 
 def main(argv=None):
@@ -493,12 +650,32 @@ def main(argv=None):
     p.add_argument("--text_field", default="text", help="field/column holding the text (default text)")
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPU count, at most 16)")
     p.add_argument("--force", action="store_true", help="overwrite token files already in --out_dir")
+    p.add_argument("--verify", action="store_true", help="check --out_dir's token files against its meta.json, every "
+                   "byte (SHA-256), and exit; train.py checks their sizes and sampled blocks at every start")
     args = p.parse_args(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop)
     try:
-        prepare(**vars(args))
+        if args.verify:
+            verify(args.out_dir)
+        else:
+            prepare(**{k: v for k, v in vars(args).items() if k != "verify"})
     except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
         sys.exit(f"prepare_data.py: error: {e}")
 
 
+def verify(out_dir):
+    if not out_dir or not os.path.isfile(os.path.join(out_dir, "meta.json")):
+        raise FileNotFoundError(f"--verify needs --out_dir=<a folder prepare_data.py wrote>; {out_dir} has no meta.json")
+    with open(os.path.join(out_dir, "meta.json")) as f:
+        meta = json.load(f)
+    if "files" not in meta:
+        raise ValueError(f"{out_dir}/meta.json has no checksums (an older prepare): prepare it again to have them")
+    t0 = time.time()
+    check_files(out_dir, meta, full=True)
+    print(f"{out_dir}: train.bin and val.bin match meta.json ({sum(f['bytes'] for f in meta['files'].values()):,} "
+          f"bytes, SHA-256, {time.time() - t0:.1f}s)")
+
+
 if __name__ == "__main__":
-    main()
+    main()   # (Ctrl-C and SIGTERM: _stop)

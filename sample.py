@@ -5,13 +5,17 @@ Sample text from a train.py checkpoint.
   python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --temperature=0     # greedy
 """
 import argparse
+import signal
 import sys
 from contextlib import nullcontext
+
+if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing is written yet)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 
 from model import GPT
-from prepare_data import check_device, checkpoint_tokenizer, load_tokenizer
+from prepare_data import check_device, checkpoint_tokenizer, load_tokenizer, run_script
 
 
 def check_args(args):
@@ -20,8 +24,8 @@ def check_args(args):
         if getattr(args, name) < least:
             raise ValueError(f"--{name}={getattr(args, name)} must be >= {least}"
                              + (" (0: sample among all tokens)" if name == "top_k" else ""))
-    if not args.temperature >= 0:   # also NaN
-        raise ValueError(f"--temperature={args.temperature} must be >= 0 (0: greedy)")
+    if not 0 <= args.temperature < float("inf"):   # also NaN
+        raise ValueError(f"--temperature={args.temperature} must be a finite number >= 0 (0: greedy)")
     check_device(args.device)
     if args.tokenizer:   # (the checkpoint's own is checked against its vocabulary once it loads)
         load_tokenizer(args.tokenizer)
@@ -61,6 +65,9 @@ def main(argv=None):
     model.eval()
     print(f"tokenizer: {name}", file=sys.stderr)
     ids = enc.encode(start, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
+    if len(ids) > model.cfg.block_size:
+        print(f"the prompt's {len(ids):,} tokens are cut to their last {model.cfg.block_size:,} (the model's block_size)",
+              file=sys.stderr)
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"
     ctx = torch.autocast(device_type, dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
@@ -73,4 +80,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "sample.py")

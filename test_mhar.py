@@ -6,8 +6,10 @@ One section per file under test, fixtures and helpers first. Uses ../shared/data
 when it is there; otherwise a small corpus built from Python's own documentation, and tiktoken's normal download.
 """
 import errno
+import filecmp
 import functools
 import glob
+import hashlib
 import importlib.util
 import json
 import lzma
@@ -17,6 +19,7 @@ import pydoc
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -70,7 +73,7 @@ import checkpoint  # noqa: E402
 import graphs  # noqa: E402
 from bench_routing import run_chain  # noqa: E402   (N routing sites with a sublayer between them, like a model's)
 from graphs import DecodeGraph  # noqa: E402
-from model import GPT, BlockDepthHistory, GPTConfig, fused_router, peak_flops, route_reference  # noqa: E402
+from model import GPT, BlockDepthHistory, GPTConfig, fused_router, route_reference  # noqa: E402
 from generation import KVCache  # noqa: E402
 
 
@@ -406,9 +409,9 @@ def test_generate_and_mfu():
     assert out.shape == (2, 8)
     greedy = model.generate(torch.zeros(1, 40, dtype=torch.long), 2, temperature=0)   # crops to block_size
     assert greedy.shape == (1, 42)
-    assert model.estimate_mfu(1e5, "Some Unknown Accelerator") is None
-    assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("NVIDIA H200") == 989e12
-    assert 0 < model.estimate_mfu(1e5, "NVIDIA H200") < 1
+    assert metrics.mfu(model, 1e5, "Some Unknown Accelerator") is None
+    assert metrics.peak_flops("NVIDIA H100 PCIe") == 756e12 and metrics.peak_flops("NVIDIA H200") == 989e12
+    assert 0 < metrics.mfu(model, 1e5, "NVIDIA H200") < 1
 
 
 def test_optimizer_groups():
@@ -430,16 +433,19 @@ def test_optimizer_groups():
     (dict(residual="mhar2"), r"residual='mhar2' is not one of"),
     (dict(residual="attnres", route_heads=4), r"single-head"),
     (dict(routing_impl="cuda"), r"routing_impl='cuda'"),
-    (dict(route_scale=0.0), r"route_scale=0.0 must be a positive number"),
-    (dict(route_scale=float("nan")), r"route_scale=nan must be a positive number"),
-    (dict(route_init_std=-0.1), r"route_init_std=-0.1 must be a number >= 0"),
-    (dict(route_init_std=float("inf")), r"route_init_std=inf must be a number >= 0"),
+    (dict(route_scale=0.0), r"route_scale=0.0 must be a finite number > 0"),
+    (dict(route_scale=float("nan")), r"route_scale=nan must be a finite number > 0"),
+    (dict(route_init_std=-0.1), r"route_init_std=-0.1 must be a finite number >= 0"),
+    (dict(route_init_std=float("inf")), r"route_init_std=inf must be a finite number >= 0"),
     (dict(residual="delta", num_blocks=2, route_init_std=0.02), r"route_init_std=0.02 is for attnres and mhar, not residual='delta'"),
     (dict(residual="baseline", route_init_std=0.02), r"route_init_std=0.02 is for attnres and mhar"),
     (dict(n_layer=0), r"n_layer=0 must be a positive integer"),
     (dict(n_embd=36, n_head=4), r"head_dim=9 must be an even positive integer"),
     (dict(residual="delta", n_layer=3, num_blocks=2), r"num_blocks=2 must divide n_layer=3"),
     (dict(rope_scaling={"rope_type": "yarn"}), r"only rope_type .llama3."),
+    (dict(route_scale=float("inf")), r"route_scale=inf must be a finite number > 0"),
+    (dict(rope_theta=0.0), r"rope_theta=0.0 must be a finite number > 0"),
+    (dict(norm_eps=float("nan")), r"norm_eps=nan must be a finite number > 0"),
 ])
 def test_bad_model_configs(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -1169,6 +1175,74 @@ def test_prepare_data_limits_and_refusals(tmp_path, corpus, data_dir):
         prepare_data.prepare(input=str(tmp_path / "missing*.jsonl"), out_dir=str(tmp_path / "x"))
 
 
+def test_prepare_data_one_run_per_folder_and_checksums(tmp_path, corpus):
+    """prepare_data.py holds out_dir/prepare.lock while it writes: a second prepare into the folder is refused naming the
+    first (a lock whose process is gone is taken over); meta.json records each file's SHA-256, which --verify checks
+    byte by byte."""
+    out = tmp_path / "d"
+    out.mkdir()
+    lock = prepare_data.take_lock(str(out))   # this process is the first prepare
+    r = subprocess.run([sys.executable, os.path.join(HERE, "prepare_data.py"), f"--input={corpus}", f"--out_dir={out}",
+                        "--max_tokens=2000", "--workers=1"], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{out} is being prepared by another prepare_data.py (pid {os.getpid()})" in r.stderr.strip().splitlines()[-1]
+    with pytest.raises(FileExistsError, match="being prepared"):
+        prepare_data.take_lock(str(out))
+    with open(lock, "w") as f:
+        f.write(f"99999999 {socket.gethostname()}")   # its process is gone
+    meta = prepare_data.prepare(input=corpus, out_dir=str(out), max_tokens=2000, workers=1)
+    assert sorted(os.listdir(out)) == ["meta.json", "token_bytes.bin", "train.bin", "val.bin"]   # no lock, no staging
+    assert meta["files"]["train.bin"]["sha256"] == hashlib.sha256((out / "train.bin").read_bytes()).hexdigest()
+    prepare_data.main(["--verify", f"--out_dir={out}"])
+    with open(out / "val.bin", "r+b") as f:   # one byte changed: the sampled blocks may miss it; --verify does not
+        f.seek(len(f.read()) // 2 + 1)
+        f.write(b"\xff")
+    with pytest.raises(SystemExit, match=r"val.bin: its SHA-256 is not meta.json's: damaged"):
+        prepare_data.main(["--verify", f"--out_dir={out}"])
+
+
+@pytest.mark.parametrize("sig,code,said", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "Ctrl-C")])
+def test_prepare_data_stopped_leaves_the_folder_as_it_was(tmp_path, corpus, sig, code, said):
+    """SIGTERM or Ctrl-C while prepare_data.py --force rewrites a folder (its input a pipe that stalls mid-stream, so
+    the signal lands mid-write): exit 143 / 130 with one line, its pool workers gone, no partial file, no lock, and the
+    folder's files as they were."""
+    out, src = tmp_path / "d", tmp_path / "src"
+    prepare_data.prepare(input=corpus, out_dir=str(out), max_tokens=3000, workers=1)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    src.mkdir()
+    os.mkfifo(src / "docs.jsonl")
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "prepare_data.py"), f"--input={src}", f"--out_dir={out}",
+                          "--force", "--workers=2", "--val_fraction=0.5"], stderr=subprocess.PIPE, text=True)
+    with open(src / "docs.jsonl", "w") as pipe:
+        words = " ".join(f"word{i}" for i in range(200))
+        for i in range(3000):
+            pipe.write(json.dumps({"text": f"document {i}: {words}"}) + "\n")
+        pipe.flush()
+        partial = out / ".incomplete" / "train.bin"
+        deadline = time.time() + 120
+        while not (partial.exists() and partial.stat().st_size > 0) and time.time() < deadline:
+            time.sleep(0.1)
+        assert partial.exists() and partial.stat().st_size > 0, "the prepare never wrote"
+        workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(p.pid)], capture_output=True,
+                                 text=True).stdout.split()
+        assert len(workers) >= 2
+        p.send_signal(sig)
+        err = p.communicate(timeout=60)[1]
+    assert p.returncode == code, err
+    assert "Traceback" not in err and "Error" not in err, err
+    assert err.strip().splitlines()[-1].startswith(f"prepare_data.py: stopped by {said}; the partial files were removed")
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before   # nothing half-written, no lock
+    def alive(pid):   # (a zombie is dead: its parent has not reaped it yet)
+        try:
+            return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.time() + 10
+    while any(alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(w) for w in workers), "a pool worker outlived the prepare"
+
+
 def test_prepare_data_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")   # parquet input needs pyarrow (installed with datasets)
     import pyarrow.parquet as pq
@@ -1232,16 +1306,16 @@ def test_hub_offline_gives_the_local_input_hint(tmp_path, monkeypatch):
     (["--lr_schedule=cos"], r"lr_schedule='cos' is not one of cosine, linear, 1-sqrt"),
     (["--n_embd=512", "--route_heads=3"], r"n_embd=512 must be divisible by route_heads=3"),
     (["no_such_config.py"], r"config file 'no_such_config.py' not found"),
-    (["--lr=-1"], r"lr=-1.0 must be positive"),
-    (["--min_lr_ratio=2"], r"min_lr_ratio=2.0 must be in \[0, 1\]"),
-    (["--weight_decay=-0.1"], r"weight_decay=-0.1 must be >= 0"),
-    (["--grad_clip=-1"], r"grad_clip=-1.0 must be >= 0"),
-    (["--warmup_steps=-5"], r"warmup_steps=-5 must be >= 0"),
-    (["--beta2=1"], r"beta2=1.0 must be in \[0, 1\)"),
+    (["--lr=-1"], r"lr=-1.0 must be a finite number > 0"),
+    (["--min_lr_ratio=2"], r"min_lr_ratio=2.0 must be a finite number in \[0, 1\]"),
+    (["--weight_decay=-0.1"], r"weight_decay=-0.1 must be a finite number >= 0"),
+    (["--grad_clip=-1"], r"grad_clip=-1.0 must be a finite number >= 0"),
+    (["--warmup_steps=-5"], r"warmup_steps=-5 must be a finite number >= 0"),
+    (["--beta2=1"], r"beta2=1.0 must be a finite number in \[0, 1\)"),
     (["--device=gpu"], r"device='gpu' is not one of auto, cpu, cuda, cuda:N"),
     (["--grad_sync=ddp"], r"grad_sync='ddp' is not one of after, overlap"),
-    (["--grad_bucket_mb=0"], r"grad_bucket_mb=0.0 must be positive"),
-    (["--routing_lr_scale=0"], r"routing_lr_scale=0.0 must be positive"),
+    (["--grad_bucket_mb=0"], r"grad_bucket_mb=0.0 must be a finite number > 0"),
+    (["--routing_lr_scale=0"], r"routing_lr_scale=0.0 must be a finite number > 0"),
     (["--route_init_std=0.02", "--residual=hyper"], r"route_init_std=0.02 is for attnres and mhar, not residual='hyper'"),
     (["--route_blocks=5"], r"route_blocks=5 must be a positive divisor of the 24 sublayers \(2 x n_layer=12\)"),
     (["--route_blocks=0"], r"route_blocks=0 must be a positive divisor"),
@@ -1249,11 +1323,32 @@ def test_hub_offline_gives_the_local_input_hint(tmp_path, monkeypatch):
     (["--route_blocks=2", "--residual=hyper"], r"route_blocks=2 is for attnres and mhar .*not residual='hyper'"),
     (["--route_blocks=2", "--residual=delta", "--num_blocks=4"], r"not residual='delta': drop it \(delta mode's blocks: num_blocks\)"),
     (["--keep_every=250"], r"keep_every=250 must be a multiple of eval_interval=500 .*e.g. --keep_every=500"),
-    (["--keep_every=-500"], r"keep_every=-500 must be >= 0"),
+    (["--keep_every=-500"], r"keep_every=-500 must be a finite number >= 0"),
+    (["--route_scale=1e999"], r"route_scale=inf must be a finite number > 0"),       # inf is positive: finite is the rule
+    (["--routing_lr_scale=1e999"], r"routing_lr_scale=inf must be a finite number > 0"),
+    (["--lr=nan"], r"lr=nan must be a finite number > 0"),
+    (["--ema_decay=1e999"], r"ema_decay=inf must be a finite number in \[0, 1\)"),
+    (["--lr_decay_steps=0"], r"lr_decay_steps=0 must be a finite number > 0, or -1 \(= max_steps\)"),
+    (["--rope_theta=-1"], r"rope_theta=-1.0 must be a finite number > 0"),
 ])
 def test_bad_train_options(argv, msg):
     with pytest.raises(ValueError, match=msg):
         train.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--residual=baseline", "--route_heads=2", "--num_blocks=4"],
+     ["num_blocks=4 is unused by residual=baseline (it is for delta)", "route_heads=2 is unused by residual=baseline"]),
+    (["--residual=hyper", "--route_scale=0.5", "--routing_lr_scale=2"],
+     ["route_scale=0.5 is unused by residual=hyper", "routing_lr_scale=2.0 is unused by residual=hyper"]),
+    (["--residual=mhar", "--hc_streams=2", "--hc_dynamic=False"],
+     ["hc_dynamic=False is unused by residual=mhar (it is for hyper)", "hc_streams=2 is unused"]),
+    (["--residual=baseline", "--route_scale=1", "--routing_impl=auto"], []),   # a default value changes nothing: not said
+    (["--residual=mhar", "--route_heads=2", "--route_scale=0.5"], []),
+])
+def test_options_a_mode_does_not_read_are_said(argv, said):
+    lines = train.unused_options(train.parse_args(argv))
+    assert len(lines) == len(said) and all(s in line and line.endswith("; ignored") for s, line in zip(said, lines)), lines
 
 
 def test_resume_refuses_another_route_blocks():
@@ -1279,17 +1374,31 @@ def test_config_file_errors_name_the_file_and_line(tmp_path):
 
 
 def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
-    """Damaged data folders and a too-small --eval_tokens: exit 2 with one line naming the file and the fix."""
+    """Data folders that disagree with their meta.json (checked by size and sampled content at every start, fresh runs
+    too), one being prepared, and a too-small --eval_tokens: exit 2 with one line naming the file and the fix."""
     def broken(name, edit):
         d = tmp_path / name
         shutil.copytree(data_dir, d)
         edit(d)
         return str(d)
+    def cut(d):   # truncate -s: a fresh run used to train on what was left
+        with open(d / "train.bin", "r+b") as f:
+            f.truncate(os.path.getsize(d / "train.bin") // 3 * 2)
+
+    def other_tokens(d):   # the same size, other bytes (e.g. another prepare wrote it, its meta.json lost)
+        np.fromfile(d / "train.bin", dtype=np.uint16)[::-1].tofile(d / "train.bin")
+
+    def being_prepared(d):   # a live prepare_data.py holds the folder (this process stands in for it)
+        (d / "prepare.lock").write_text(f"{os.getpid()} {socket.gethostname()}")
     cases = [
-        (broken("empty", lambda d: open(d / "val.bin", "w").close()), r"val.bin is empty"),
-        (broken("odd", lambda d: open(d / "train.bin", "ab").write(b"x")), r"train.bin is \d+ bytes, not a whole number"),
+        (broken("empty", lambda d: open(d / "val.bin", "w").close()), r"val.bin holds 0 tokens \(0 bytes\) but meta.json says"),
+        (broken("odd", lambda d: open(d / "train.bin", "ab").write(b"x")), r"train.bin holds [\d,]+ tokens .* but meta.json says"),
         (broken("meta", lambda d: (d / "meta.json").write_text("{")), r"meta.json is not prepare_data.py's JSON"),
-        (broken("noval", lambda d: os.remove(d / "val.bin")), r"val.bin not found: prepare the data folder"),
+        (broken("noval", lambda d: os.remove(d / "val.bin")), r"val.bin not found: prepare the folder again: python "
+                                                              r"prepare_data.py --input=\S+ .*--out_dir=\S+noval --force"),
+        (broken("cut", cut), r"train.bin holds [\d,]+ tokens .* but meta.json says [\d,]+: the folder changed"),
+        (broken("swapped", other_tokens), r"train.bin has meta.json's size but other bytes \(its sampled blocks differ\)"),
+        (broken("locked", being_prepared), rf"is being written by prepare_data.py \(pid {os.getpid()}\)"),
     ]
     outs = [str(tmp_path / f"out{i}") for i in range(len(cases) + 1)]   # one out_dir each: they run side by side
     *results, small = together(*[lambda o=o, d=d: run_train(o, d, "--max_steps=1") for o, (d, _) in zip(outs, cases)],
@@ -1298,6 +1407,11 @@ def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
     for (d, msg), r in zip(cases, results):
         assert r.returncode != 0 and re.search(msg, r.stderr) and "Traceback" not in r.stderr, r.stderr
     assert small.returncode != 0 and "eval_tokens=100 is less than one eval batch" in small.stderr
+    advice = re.search(r"prepare it again: (python prepare_data.py .*)$", results[4].stderr.strip()).group(1)
+    subprocess.run([sys.executable, *advice.split()[1:]], cwd=HERE, check=True, capture_output=True)   # it works:
+    meta = json.loads(open(os.path.join(cases[4][0], "meta.json")).read())                            # the same data
+    assert prepare_data.check_files(cases[4][0], meta, full=True) and meta["files"] == json.load(
+        open(os.path.join(data_dir, "meta.json")))["files"]
     assert not any(os.path.exists(os.path.join(o, "train.lock")) for o in outs)
 
 
@@ -1657,6 +1771,8 @@ def test_log_with_a_partial_last_line_resumes_and_plots(tmp_path, data_dir):
         f.writelines(lines[:2] + ["not json\n"] + lines[2:])
     with pytest.raises(ValueError, match=r"log.jsonl, line 3: not JSON"):
         checkpoint.read_log(log)
+    r = run_train(out, data_dir, "--max_steps=10", "--eval_interval=3", "--init_from=resume")
+    assert r.returncode != 0 and "log.jsonl, line 3: not JSON" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_resume_checks_its_data(tmp_path, data_dir):
@@ -1674,7 +1790,9 @@ def test_resume_checks_its_data(tmp_path, data_dir):
     swapped = tmp_path / "swapped"
     shutil.copytree(data_dir, swapped)
     tokens = np.fromfile(swapped / "train.bin", dtype=np.uint16)
-    tokens[::-1].tofile(swapped / "train.bin")   # another corpus of the same token count
+    tokens[::-1].tofile(swapped / "train.bin")   # another corpus of the same token count, prepared as such:
+    meta["files"]["train.bin"] = {"bytes": tokens.nbytes, "sampled_sha256": prepare_data.sampled_sha256(str(swapped / "train.bin"))}
+    (swapped / "meta.json").write_text(json.dumps(meta))
     r = run_train(out, str(swapped), "--max_steps=4", "--init_from=resume")
     assert r.returncode != 0 and "data train.bin: the same size but other tokens" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
@@ -1713,25 +1831,33 @@ def test_one_run_per_out_dir(tmp_path, data_dir):
 
 
 def test_unreadable_checkpoint_falls_back_to_the_previous(tmp_path, data_dir):
-    """Each save keeps the checkpoint before it (ckpt.prev.pt). A truncated ckpt.pt: resume takes ckpt.prev.pt with one
-    line and moves the broken file aside; eval.py / sample.py name the file and the fix; a step-6 checkpoint of a
-    longer run resumed from step 3 gives the same losses."""
+    """Each save keeps the checkpoint before it (ckpt.prev.pt). A truncated ckpt.pt, or one with 64 KB of its tensor
+    bytes changed: resume takes ckpt.prev.pt with one line and moves the file aside; sample.py, eval.py, export.py and
+    --init_from name the file and the fix; a step-6 checkpoint of a longer run resumed from step 3 gives the same
+    losses."""
     full, out = str(tmp_path / "full"), str(tmp_path / "o")
     assert all(r.returncode == 0 for r in together(
         lambda: run_train(full, data_dir, "--max_steps=9", "--eval_interval=3"),
         lambda: run_train(out, data_dir, "--max_steps=6", "--eval_interval=3", "--lr_decay_steps=60")))
     ckpt, prev = os.path.join(out, "ckpt.pt"), os.path.join(out, "ckpt.prev.pt")
     assert torch.load(ckpt, weights_only=False)["step"] == 6 and torch.load(prev, weights_only=False)["step"] == 3
+    damaged = {}
+    for how, fill in (("zeroed", bytes(65536)), ("noise", np.random.default_rng(0).bytes(65536))):
+        damaged[how] = str(tmp_path / how)
+        shutil.copytree(out, damaged[how])
+        with open(os.path.join(damaged[how], "ckpt.pt"), "r+b") as f:   # 64 KB of tensor bytes, the size kept
+            f.seek(os.path.getsize(ckpt) // 2)
+            f.write(fill)
     with open(ckpt, "r+b") as f:
         f.truncate(os.path.getsize(ckpt) // 2)
-    with pytest.raises(ValueError, match=r"ckpt.pt is not a torch.save archive .*the checkpoint before it, .*ckpt.prev.pt, may be intact"):
+    with pytest.raises(ValueError, match=r"ckpt.pt is not a torch.save archive .*try the checkpoint before it, .*ckpt.prev.pt"):
         GPT.from_checkpoint(out)
     s = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu"],
                        capture_output=True, text=True)
     assert s.returncode != 0 and "ckpt.pt is not a torch.save archive" in s.stderr and "Traceback" not in s.stderr
     r = run_train(out, data_dir, "--max_steps=9", "--eval_interval=3", "--init_from=resume")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "resuming from the checkpoint before it" in r.stdout and glob.glob(ckpt + ".unreadable-*")
+    assert "resuming from the checkpoint before it" in r.stdout and glob.glob(ckpt + ".set-aside-*")
     a, b = read_log(full), read_log(out)
     assert all(a[0][s]["loss"] == b[0][s]["loss"] for s in range(1, 10))
     for bad in (ckpt, prev):   # neither readable: one clear error
@@ -1739,6 +1865,27 @@ def test_unreadable_checkpoint_falls_back_to_the_previous(tmp_path, data_dir):
             f.write(b"not a checkpoint")
     r = run_train(out, data_dir, "--max_steps=12", "--eval_interval=3", "--init_from=resume")
     assert r.returncode != 0 and "no checkpoint can be read" in r.stderr and "Traceback" not in r.stderr
+    # damaged in place, the size kept: checked by content (zip CRC-32s), never called intact; a zeroed one resumes
+    # from ckpt.prev.pt to the same losses, and every reader refuses it in one line
+    r = run_train(damaged["zeroed"], data_dir, "--max_steps=9", "--eval_interval=3", "--init_from=resume")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"ckpt.pt is damaged: 1 of its \d+ records fail their CRC check .*resuming from the checkpoint "
+                     r"before it, \S+ckpt.prev.pt \(step 3, checked\)", r.stdout), r.stdout
+    assert glob.glob(os.path.join(damaged["zeroed"], "ckpt.pt.set-aside-*"))
+    c = read_log(damaged["zeroed"])
+    assert all(a[0][s]["loss"] == c[0][s]["loss"] for s in range(1, 10))
+    noisy = os.path.join(damaged["noise"], "ckpt.pt")
+    with pytest.raises(ValueError, match=r"ckpt.pt is damaged: .*try the checkpoint before it"):
+        GPT.from_checkpoint(noisy)
+    s = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={noisy}", "--device=cpu"],
+                       capture_output=True, text=True)
+    assert s.returncode == 1 and "ckpt.pt is damaged" in s.stderr and "Traceback" not in s.stderr, s.stderr
+    for refuse in (lambda: evaluate.main([f"--out_dir={noisy}", "--device=cpu"]),
+                   lambda: export.main([f"--out_dir={noisy}", f"--hf_dir={tmp_path / 'hf'}"])):
+        with pytest.raises(SystemExit, match=r"ckpt.pt is damaged"):
+            refuse()
+    r = run_train(str(tmp_path / "from_noisy"), data_dir, "--max_steps=1", f"--init_from={noisy}")
+    assert r.returncode != 0 and "ckpt.pt is damaged" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_save_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -1748,9 +1895,9 @@ def test_save_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     rt = train.setup_runtime(cfg)
     model = GPT(tiny_cfg())
     opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
-    path = str(tmp_path / "ckpt.pt")
+    path, extra = str(tmp_path / "ckpt.pt"), {"model_config": vars(model.cfg)}   # (train.py's extra has more)
     for step in (1, 2):
-        checkpoint.save_checkpoint(path, model, opt, None, step, {}, cfg, rt)
+        checkpoint.save_checkpoint(path, model, opt, None, step, extra, cfg, rt)
     real_save = torch.save
 
     def full_disk(obj, f):
@@ -1758,7 +1905,7 @@ def test_save_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(checkpoint.CheckpointWriteError) as e:
-        checkpoint.save_checkpoint(path, model, opt, None, 3, {}, cfg, rt)
+        checkpoint.save_checkpoint(path, model, opt, None, 3, extra, cfg, rt)
     assert "saving the step-3 checkpoint failed: no space left on the device of" in str(e.value)
     assert f"Intact: {path} (step 2), {tmp_path / 'ckpt.prev.pt'} (step 1)" in str(e.value)
     assert not os.path.exists(path + ".tmp")
@@ -1772,7 +1919,7 @@ def test_save_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
             raise OSError(code, os.strerror(code))
         monkeypatch.setattr(torch, "save", failing)
         with pytest.raises(checkpoint.CheckpointWriteError) as e:
-            checkpoint.save_checkpoint(path, model, opt, None, 3, {}, cfg, rt)
+            checkpoint.save_checkpoint(path, model, opt, None, 3, extra, cfg, rt)
         assert cause in str(e.value) and advice in str(e.value) and "GB free" not in str(e.value), str(e.value)
         assert not os.path.exists(path + ".tmp") and torch.load(path, weights_only=False)["step"] == 2
 
@@ -2203,6 +2350,19 @@ def test_convert_bad_inputs_write_nothing(tmp_path):
     for (d, match), r in zip(cases, results):
         assert r.returncode != 0 and re.search(match, r.stderr), (match, r.stderr)
         assert not os.path.exists(os.path.join(d, "out")), "a failed conversion wrote something"
+    hf = json.load(open(os.path.join(hf_dir, "config.json")))
+    for config, match in (({k: v for k, v in hf.items() if k != "num_attention_heads"}, r"config.json lacks "
+                           r"num_attention_heads \(or gives a non-integer\)"),
+                          ({**hf, "hidden_size": "64"}, r"config.json lacks hidden_size"),
+                          ([hf], r"config.json holds a list, not a Hugging Face config")):
+        with pytest.raises(ValueError, match=match):
+            convert.model_config(config)
+    bare = {**hf, "architectures": "Qwen3ForCausalLM"}   # a bare name, not a list
+    assert convert.model_config(bare, num_blocks=2) == convert.model_config(hf, num_blocks=2)
+    before = sorted(os.listdir(hf_dir))
+    with pytest.raises(SystemExit, match=r"--out_dir=\S+ is --hf_dir: write the converted model to a folder of its own"):
+        convert.main([f"--hf_dir={hf_dir}", f"--out_dir={hf_dir}/", "--num_blocks=2"])
+    assert sorted(os.listdir(hf_dir)) == before
 
 
 def test_convert_names_a_truncated_or_corrupt_file(tmp_path):
@@ -2284,6 +2444,16 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
     resumed = run(*cmd[:3], f"--out_dir={out}", "--init_from=resume", *args, "--max_steps=8", "--n_layer=5")
     for r in (arch, resumed):
         assert r.returncode != 0 and "would be ignored: --n_layer=5 (checkpoint: 4)" in r.stderr, r.stderr
+    # the run keeps its tokenizer.json: the converted model's folder moved away, sample.py still reads it
+    assert ckpt["tokenizer"] == "tokenizer.json" and filecmp.cmp(tok, os.path.join(out, "tokenizer.json"), shallow=False)
+    os.rename(hf_dir, hf_dir + "_moved")
+    s = run(sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu", "--max_new_tokens=3")
+    assert s.returncode == 0 and "tokenizer: tokenizer.json" in s.stderr, s.stderr
+    # a converted model's folder is a start, not a run to continue: the refusals name the command that works
+    into_conv = [run(*cmd[:3], f"--out_dir={conv}", *args, "--max_steps=2", *how) for how in (["--init_from=resume"], [])]
+    for r in into_conv:
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "is a converted model" in r.stderr and f"--init_from={conv} --out_dir=<a new folder>" in r.stderr
 
 
 def test_checkpoint_without_tokenizer_is_refused(tmp_path):
@@ -2659,8 +2829,8 @@ def test_sample_and_eval_refuse_bad_options_before_loading(tmp_path, eval_ckpt, 
     for bad, msg in ((["--num_samples=0"], "--num_samples=0 must be >= 1"),
                      (["--max_new_tokens=0"], "--max_new_tokens=0 must be >= 1"),
                      (["--top_k=-5"], r"--top_k=-5 must be >= 0 \(0: sample among all tokens\)"),
-                     (["--temperature=-1"], "--temperature=-1.0 must be >= 0"),
-                     (["--temperature=nan"], "--temperature=nan must be >= 0"),
+                     (["--temperature=-1"], "--temperature=-1.0 must be a finite number >= 0"),
+                     (["--temperature=nan"], "--temperature=nan must be a finite number >= 0"),
                      (["--device=gpu"], "--device='gpu' is not one of cpu, cuda, cuda:N"),
                      ([f"--start=FILE:{tmp_path / 'missing.txt'}"], "missing.txt: no such file"),
                      ([f"--start=FILE:{tmp_path}"], "is a folder, not a text file"),
@@ -2846,8 +3016,10 @@ def test_bench_routing_blocks_option(monkeypatch):
     for argv, msg in ((["--blocks=5"], r"--blocks=5 must divide every chain shape's sublayers \(2 x n_layer: 24, 48, "
                                        r"72\): give a divisor of 24"),
                       (["--blocks=0"], r"--blocks=0 must divide"),
-                      (["--blocks=8", "--tune-train=fwd"], r"one of block_fwd, block_bwd, block_waves$"),
-                      (["--tune-train=site"], r"one of fwd, fwd_lead, fwd_lead_sites, gather, gather_lead, stored_logits$"),
+                      (["--blocks=8", "--tune-train=fwd"], r"--tune-train=fwd: unknown setting fwd; choose from "
+                                                           r"block_fwd, block_bwd, block_waves$"),
+                      (["--tune-train=site"], r"--tune-train=site: unknown setting site; choose from fwd, fwd_lead, "
+                                              r"fwd_lead_sites, gather, gather_lead, stored_logits$"),
                       (["--blocks=8", "--delta"], r"--blocks times this repo's block chain alone: drop --authors")):
         with pytest.raises(SystemExit, match=msg):
             bench_routing.main(argv)
@@ -2918,6 +3090,93 @@ def test_bench_authors_file_errors(tmp_path):
     (tmp_path / "other.py").write_text("x = 1\n")
     with pytest.raises(SystemExit, match="has no MHARFusedContext, _FusedMHARFn"):
         bench_routing.load_authors(str(tmp_path / "other.py"))
+
+
+def test_every_script_refuses_bad_inputs_in_one_line(tmp_path, eval_ckpt, monkeypatch, capsys):
+    """Inputs as a class, script by script: a number out of its range or not finite, a device that is not one, a path
+    of the wrong kind (not a checkpoint, a safetensors file, a JSON that is no tokenizer, a Python file that does not
+    load): each refused with one line naming the value, before anything is written. Options a mode does not read are
+    said (eval.py). Ctrl-C: one line, exit 130 (run_script, every script's entry point)."""
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")   # a torch file, not this repository's checkpoint
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "vocab.json").write_text('{"hello": 1}')                # JSON, not a tokenizer
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    (tmp_path / "binary.py").write_bytes(b"\x00\x01\xff" * 10)
+    (tmp_path / "notes.txt").write_text("mhar_triton\n")
+    corpus_file = tmp_path / "docs.jsonl"
+    corpus_file.write_text(json.dumps({"text": "a few words"}) + "\n")
+    other, weights, vocab = tmp_path / "other.pt", tmp_path / "model.safetensors", tmp_path / "vocab.json"
+    nowhere = str(tmp_path / "none")
+    prep = lambda *a: prepare_data.main([f"--input={corpus_file}", f"--out_dir={tmp_path / 'prep'}", *a])  # noqa: E731
+    table = [
+        (lambda: sample.main([f"--out_dir={other}", "--device=cpu"]), r"other.pt is not a checkpoint of this repository"),
+        (lambda: sample.main([f"--out_dir={weights}", "--device=cpu"]), r"model.safetensors is a safetensors file .* convert.py --hf_dir="),
+        (lambda: sample.main([f"--out_dir={eval_ckpt['mhar']}", "--device=cpu", f"--tokenizer={vocab}"]),
+         r"vocab.json is not a Hugging Face tokenizer.json"),
+        (lambda: sample.main([f"--out_dir={nowhere}", "--temperature=inf"]), r"--temperature=inf must be a finite number >= 0"),
+        (lambda: sample.main([f"--out_dir={nowhere}", "--device=cuda:99"]), r"--device=cuda:99 but (CUDA is not available|this machine has)"),
+        (lambda: evaluate.main([f"--out_dir={other}", "--device=cpu"]), r"other.pt is not a checkpoint of this repository"),
+        (lambda: evaluate.main([f"--out_dir={weights}", "--device=cpu"]), r"model.safetensors is a safetensors file .* convert.py --hf_dir="),
+        (lambda: evaluate.main([f"--out_dir={nowhere}", "--limit=0"]), r"--limit=0 must be >= 1"),
+        (lambda: export.main([f"--out_dir={other}", f"--hf_dir={tmp_path / 'hf'}"]), r"other.pt is not a checkpoint of this"),
+        (lambda: prep(f"--tokenizer={vocab}"), r"vocab.json is not a Hugging Face tokenizer.json"),
+        (lambda: prep("--max_val_tokens=0"), r"--max_val_tokens=0 must be a positive whole number"),
+        (lambda: prep("--workers=-1"), r"--workers=-1 must be a positive whole number"),
+        (lambda: prep("--val_fraction=nan"), r"val_fraction=nan must be in \(0, 1\)"),
+        (lambda: prepare_data.main(["--verify", f"--out_dir={nowhere}"]), r"--verify needs --out_dir=<a folder prepare_data.py"),
+        (lambda: bench.main(["--device=gpu"]), r"bench.py: error: --device='gpu' is not one of cpu, cuda, cuda:N"),
+        (lambda: bench.main(["--device=cuda:99"]), r"bench.py: error: --device=cuda:99 but"),
+        (lambda: bench.main(["--steps=0"]), r"bench.py: error: --steps=0 must be an integer >= 1"),
+        (lambda: bench.main(["--vocab=1"]), r"--vocab=1 must be an integer >= 2"),
+        (lambda: bench.generate_main(["--device=gpu"]), r"bench.py generate: error: --device='gpu' is not one of"),
+        (lambda: bench.ddp_args(["--bucket_mb=inf"]), r"bench.py ddp: error: --bucket_mb=inf must be a finite number > 0"),
+        (lambda: bench.ddp_args(["--accum=-1"]), r"bench.py ddp: error: --accum=-1 must be an integer >= 0"),
+        (lambda: bench_routing.main(["--device=gpu"]), r"bench.py routing: error: --device='gpu' is not one of"),
+        (lambda: bench_routing.main(["--tune-train=garbage"]), r"--tune-train=garbage: unknown setting garbage; choose from"),
+        (lambda: bench_routing.load_authors(str(tmp_path / "broken.py")), r"broken.py, line 1 does not load \(SyntaxError"),
+        (lambda: bench_routing.load_authors(str(tmp_path / "binary.py")), r"binary.py(, line \d+)? does not load"),
+        (lambda: bench_routing.load_authors(str(tmp_path / "notes.txt")), r"notes.txt is not a Python file"),
+        (lambda: convert.main([f"--hf_dir={tmp_path}", f"--out_dir={tmp_path / 'c'}", "--check_batches=-1"]),
+         r"--check_batches=-1 must be >= 0"),
+    ]
+    for call, msg in table:
+        with pytest.raises(SystemExit) as e:
+            call()
+        text = str(e.value.code)
+        assert re.search(msg, text) and "\n" not in text, (msg, text)
+    assert not (tmp_path / "prep").exists() and not (tmp_path / "hf").exists() and not (tmp_path / "c").exists()
+    capsys.readouterr()
+    evaluate.main(["--plot", os.path.join(HERE, "results", "repro_100m", "logs", "mhar_s0.log.jsonl"),
+                   f"--output={tmp_path / 'c.png'}", "--slices=2", "--limit=3"])
+    err = capsys.readouterr().err
+    assert "eval.py: --limit=3 is unused with --plot; ignored" in err and "--slices=2 is unused with --plot" in err
+
+    def interrupted():
+        raise KeyboardInterrupt
+    with pytest.raises(SystemExit) as e:
+        prepare_data.run_script(interrupted, "eval.py", "; no results file was written")
+    assert e.value.code == 130 and capsys.readouterr().err == "eval.py: stopped by Ctrl-C; no results file was written\n"
+
+
+def test_ctrl_c_in_a_running_script_is_one_line(tmp_path, eval_ckpt):
+    """Ctrl-C while sample.py generates (after it said which tokenizer) and while a script's imports load: exit
+    130 with one line, or a quiet exit; never a traceback."""
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={eval_ckpt['mhar']}",
+                          "--device=cpu", "--max_new_tokens=1000000", "--num_samples=4"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    while not p.stderr.readline().startswith("tokenizer: "):   # (a line about the routing may come first)
+        assert p.poll() is None, "sample.py ended before generating"
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.splitlines()[-1] == "sample.py: stopped by Ctrl-C" and "Traceback" not in err, err
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "eval.py"), f"--out_dir={eval_ckpt['mhar']}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)   # torch still loading
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode in (130, -signal.SIGINT) and "Traceback" not in err, err
 
 
 def test_bench_peers(monkeypatch, capsys):
@@ -3128,7 +3387,8 @@ def test_block_routing_report(tmp_path):
 def test_temperature_study_driver(tmp_path, data_dir):
     """results/temperature_study/run.sh end to end on the CPU, at a tiny shape and budget (EXTRA's flags come last, so
     they override the configs'): every spec checked before any run, GPUS=2 workers sharing one list (each run made
-    once, a repeated spec too), the names and flags of each run, a second call skipping finished runs, refusals."""
+    once, a repeated spec too), the names and flags of each run, a second call skipping finished runs, refusals, a
+    stopped run resumed from its checkpoint (nothing deleted unless FRESH=1)."""
     work, bin_, logs = tmp_path / "w", tmp_path / "bin", tmp_path / "logs"
     work.mkdir()
     bin_.mkdir()
@@ -3183,6 +3443,19 @@ def test_temperature_study_driver(tmp_path, data_dir):
     r = run_sh("100m:mhar:1", "100m:mhar:0", EXTRA=env["EXTRA"] + " --no_such_flag=1")   # a run that fails
     assert r.returncode == 1 and "run.sh: 1 run(s) failed: 100m_mhar_s1" in r.stdout, r.stdout
     assert not (logs / "100m_mhar_s1.log.jsonl").exists() and "no_such_flag" in (logs / "100m_mhar_s1.txt").read_text()
+    # a reduced run that keeps its checkpoint (SAVE=True), stopped before its log was copied: the same command resumes
+    # it, deleting nothing; each attempt's output appended; FRESH=1 alone starts it over
+    r = run_sh("100m:mhar:1", SAVE="True")
+    assert r.returncode == 0 and (work / "out" / "study" / "100m_mhar_s1" / "ckpt.pt").is_file(), r.stdout + r.stderr
+    os.remove(logs / "100m_mhar_s1.log.jsonl")
+    r = run_sh("100m:mhar:1", SAVE="True")
+    assert r.returncode == 0 and "100m_mhar_s1: resuming out/study/100m_mhar_s1" in r.stdout, r.stdout
+    txt = (logs / "100m_mhar_s1.txt").read_text()
+    assert "no_such_flag" in txt and txt.count("config: ") == 2 and "--init_from=resume" in txt   # every attempt kept
+    os.remove(logs / "100m_mhar_s1.log.jsonl")
+    r = run_sh("100m:mhar:1", SAVE="True", FRESH="1")
+    assert r.returncode == 0 and "100m_mhar_s1: FRESH=1, starting from scratch" in r.stdout, r.stdout
+    assert (logs / "100m_mhar_s1.txt").read_text().count("config: ") == 1
     # BUDGET=paper: the paper's config files (their budget overridden here), checkpoints kept, a stopped run resumed
     assert first_paper.returncode == 0, first_paper.stdout
     assert (work / "out" / "study_paper" / "124m_mhar_s0" / "ckpt.pt").is_file(), first_paper.stdout

@@ -10,10 +10,10 @@ assignments), then --key=value. The global batch is given in tokens; gradient ac
 processes run the same optimisation. Recipe (paper section 3.1, Appendix I): AdamW 0.9 / 0.95, weight decay 0.1 on
 every parameter, clip 1.0, linear warmup then cosine to 0.1x, a fixed validation set, the tail-mean of the last 11 evals.
 
-Stages, in the order main() runs them: parse_args -> setup_runtime (processes, device, precision) -> load_data ->
-resolve_start (scratch / resume / converted checkpoint) -> build_model, restore -> the loop: run_microbatches
-(graphed or eager), optimizer_step (average, clip, AdamW), EMA, StepLog (metrics.py: the lines, log.jsonl, val_bpb,
-routing statistics, the optional tracker); evaluate and save_checkpoint every eval_interval.
+Stages, in the order main() runs them: parse_args -> setup_runtime (processes, device, precision) -> load_data (checked
+against meta.json) -> resolve_start (the out_dir lock; scratch / resume / converted checkpoint) -> build_model, restore
+-> the loop: run_microbatches (graphed or eager), optimizer_step (average, clip, AdamW), EMA, StepLog (metrics.py: the
+lines, log.jsonl, val_bpb, routing statistics, the optional tracker); evaluate and save_checkpoint every eval_interval.
 What a run keeps in out_dir (checkpoints, log, lock, stops) is checkpoint.py's; CUDA graphs and the gradient average
 are graphs.py's.
 """
@@ -33,16 +33,19 @@ import typing
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 
+if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing is written yet)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import torch
 import torch.distributed as dist
 
 from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, data_changes, data_identity, git_revision,
-                        is_dtensor, load_latest, lock_out_dir, previous_checkpoint, read_checkpoint, restore,
-                        save_checkpoint)
+                        is_dtensor, keep_tokenizer, load_latest, lock_out_dir, previous_checkpoint, read_checkpoint,
+                        restore, save_checkpoint)
 from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync_grads
 from metrics import StepLog, Tracker, routing_stats, val_bytes_per_token
 from model import GPT, GPTConfig
-from prepare_data import TokenData
+from prepare_data import TokenData, check_files, lock_holder, run_script
 
 
 @dataclass
@@ -156,8 +159,8 @@ def parse_args(argv):
             key, raw = arg[2:].split("=", 1)
             try:
                 val = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):
-                val = raw              # a bare word is a string
+            except (ValueError, SyntaxError):   # a bare word is a string (nan and inf: numbers, refused as such)
+                val = float(raw) if raw.lower().lstrip("+-") in ("nan", "inf", "infinity") else raw
             items, source = [(key, val)], "on the command line"
         for key, val in items:
             if key not in known:
@@ -172,14 +175,15 @@ def parse_args(argv):
             raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
     positive = ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr",
                 "grad_bucket_mb", "routing_lr_scale")
-    for rule, ok, keys in (("must be positive", lambda v: v > 0, positive),
-                           ("must be >= 0", lambda v: v >= 0, ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps",
-                                                               "keep_every")),
-                           ("must be in [0, 1] (the decay ends at lr * min_lr_ratio)", lambda v: 0 <= v <= 1, ("min_lr_ratio",)),
-                           ("must be in [0, 1)", lambda v: 0 <= v < 1, ("beta1", "beta2", "ema_decay"))):
+    for rng, ok, keys in (("> 0", lambda v: v > 0, positive),
+                          (">= 0", lambda v: v >= 0, ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps",
+                                                      "keep_every")),
+                          ("in [0, 1] (the decay ends at lr * min_lr_ratio)", lambda v: 0 <= v <= 1, ("min_lr_ratio",)),
+                          ("in [0, 1)", lambda v: 0 <= v < 1, ("beta1", "beta2", "ema_decay")),
+                          ("> 0, or -1 (= max_steps)", lambda v: v > 0 or v == -1, ("lr_decay_steps",))):
         for key in keys:
-            if not ok(getattr(cfg, key)):
-                raise ValueError(f"{key}={getattr(cfg, key)} {rule}")
+            if not (math.isfinite(getattr(cfg, key)) and ok(getattr(cfg, key))):
+                raise ValueError(f"{key}={getattr(cfg, key)} must be a finite number {rng}")
     if cfg.keep_every % cfg.eval_interval:
         raise ValueError(f"keep_every={cfg.keep_every} must be a multiple of eval_interval={cfg.eval_interval} (checkpoints "
                          f"are written at evals), e.g. --keep_every={max(1, round(cfg.keep_every / cfg.eval_interval)) * cfg.eval_interval}")
@@ -187,6 +191,21 @@ def parse_args(argv):
         raise ValueError(f"device={cfg.device!r} is not one of auto, cpu, cuda, cuda:N")
     GPTConfig(vocab_size=128, **{k: getattr(cfg, k) for k in MODEL_KEYS})   # model errors now, not after data
     return cfg
+
+
+# the options only some residual modes read (route_init_std and route_blocks: GPTConfig refuses them elsewhere)
+MODE_OPTIONS = {"route_heads": ("mhar", "delta"), "route_scale": ("attnres", "mhar", "delta"),
+                "routing_impl": ("attnres", "mhar", "delta"), "routing_lr_scale": ("attnres", "mhar", "delta"),
+                "num_blocks": ("delta",), "hc_streams": ("hyper",), "hc_dynamic": ("hyper",)}
+
+
+def unused_options(cfg):
+    """One line per option set to other than its default (in a config file or on the command line) that cfg.residual
+    does not read."""
+    default = Config()
+    return [f"train.py: {key}={getattr(cfg, key)!r} is unused by residual={cfg.residual} (it is for "
+            f"{' / '.join(MODE_OPTIONS[key])}); ignored" for key in sorted(cfg.explicit & MODE_OPTIONS.keys())
+            if cfg.residual not in MODE_OPTIONS[key] and getattr(cfg, key) != getattr(default, key)]
 
 
 def fail(msg):
@@ -302,12 +321,17 @@ def load_data(cfg, world, rank=0):
         fail(f"{meta_path} not found; run prepare_data.py --out_dir={cfg.data_dir} first")
     try:
         meta = json.load(open(meta_path))
-        missing = [k for k in ("tokenizer", "tokenizer_id", "vocab_size", "dtype", "train_tokens") if k not in meta]
+        missing = [k for k in ("tokenizer", "tokenizer_id", "vocab_size", "dtype", "train_tokens", "val_tokens")
+                   if k not in meta]
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
         fail(f"{meta_path} is not prepare_data.py's JSON ({e}); prepare the data again (prepare_data.py --force)")
     if missing:
         fail(f"{meta_path} lacks {', '.join(missing)}: not written by prepare_data.py; prepare the data again")
-    try:
+    holder = lock_holder(cfg.data_dir)
+    if holder is not None:
+        fail(f"{cfg.data_dir} is being written by prepare_data.py (pid {holder}): start once it has finished")
+    try:   # sizes and sampled blocks against meta.json, on every start: a few MB read whatever the files' size
+        files = check_files(cfg.data_dir, meta)
         train_data = TokenData(os.path.join(cfg.data_dir, "train.bin"), meta["dtype"], cfg.block_size, cfg.seed)
         val_data = TokenData(os.path.join(cfg.data_dir, "val.bin"), meta["dtype"], cfg.block_size, cfg.seed)
     except (ValueError, TypeError) as e:
@@ -326,7 +350,7 @@ def load_data(cfg, world, rank=0):
              f"({per_micro}); lower micro_batch or block_size, or prepare more validation data")
     quiet = print if rank == 0 else (lambda line: None)
     return Data(meta, train_data, val_data, seqs_per_step, seqs_per_step // per_micro, n_eval,
-                data_identity(cfg.data_dir, meta), val_bytes_per_token(cfg.data_dir, meta, n_eval * cfg.block_size, quiet))
+                data_identity(meta, files), val_bytes_per_token(cfg.data_dir, meta, n_eval * cfg.block_size, quiet))
 
 
 # ---- what the run starts from ----------------------------------------------------------------------------------------
@@ -337,6 +361,21 @@ def horizon(cfg):
 
 
 def resolve_start(cfg, data, master):
+    """(ckpt, init, mcfg, model_source): out_dir taken for this run (one run per out_dir), then start_point's choice
+    and the model's GPTConfig."""
+    if master:
+        try:
+            lock_out_dir(cfg.out_dir)   # before anything in out_dir is read or moved
+        except OutDirLocked as e:
+            fail(e)
+    ckpt, init, model_cfg, model_source = start_point(cfg, data, master)
+    try:
+        return ckpt, init, GPTConfig.from_dict({**model_cfg, "routing_impl": cfg.routing_impl}), model_source
+    except ValueError as e:
+        fail(e)
+
+
+def start_point(cfg, data, master):
     """(ckpt, init, model_cfg, model_source): the checkpoint to resume, or a convert.py checkpoint to start from, and
     the model's config; refuses anything that would overwrite a checkpoint or resume a different run (or data)."""
     ckpt_path, meta = os.path.join(cfg.out_dir, "ckpt.pt"), data.meta
@@ -345,6 +384,9 @@ def resolve_start(cfg, data, master):
             ckpt = load_latest(ckpt_path, master)
         except ValueError as e:
             fail(e)
+        if ckpt.get("train_config") is None:   # convert.py's: weights and architecture, no training state
+            fail(f"{ckpt_path} is a converted model (convert.py), not a run to continue: train from it with "
+                 f"--init_from={cfg.out_dir} --out_dir=<a new folder>")
         old = {**asdict(Config()), **ckpt["train_config"]}   # an option newer than the checkpoint had its default
         skip = RESUMABLE | (set(MODEL_KEYS) if ckpt.get("model_source", "config") != "config" else set())
         diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in skip and old.get(k) != v]
@@ -367,8 +409,10 @@ def resolve_start(cfg, data, master):
         return ckpt, None, ckpt["model_config"], ckpt.get("model_source", "config")
     for path in (ckpt_path, previous_checkpoint(ckpt_path)):
         if os.path.exists(path):
-            fail(f"{path} already exists; continue it with --init_from=resume or choose another --out_dir "
-                 "(nothing is overwritten)")
+            fail(f"{path} already exists; " + (
+                f"it is a converted model: train from it with --init_from={cfg.out_dir} --out_dir=<a new folder>"
+                if converted(path) else "continue it with --init_from=resume or choose another --out_dir")
+                + " (nothing is overwritten)")
     if master and os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):   # a run that died before its first checkpoint
         kept = os.path.join(cfg.out_dir, f"log.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
         os.replace(os.path.join(cfg.out_dir, "log.jsonl"), kept)
@@ -390,6 +434,14 @@ def resolve_start(cfg, data, master):
     if meta["vocab_size"] > init["model_config"]["vocab_size"]:
         fail(f"the data's vocabulary ({meta['vocab_size']}) exceeds the model's ({init['model_config']['vocab_size']})")
     return None, init, init["model_config"], os.path.abspath(path)
+
+
+def converted(path):
+    """Is the checkpoint at path convert.py's (no training state)? A look at its keys, not a check of its content."""
+    try:
+        return read_checkpoint(path, verify=False).get("train_config") is None
+    except ValueError:
+        return False
 
 
 def refuse_ignored_architecture(cfg, model_config, path):
@@ -625,17 +677,10 @@ def main(argv):
     except (ValueError, RuntimeError) as e:
         fail(e)
     rt = setup_runtime(cfg)
+    for line in unused_options(cfg):
+        rt.say(line)
     data = load_data(cfg, rt.world, rt.rank)
-    if rt.master:
-        try:
-            lock_out_dir(cfg.out_dir)   # before anything in out_dir is read or moved
-        except OutDirLocked as e:
-            fail(e)
-    ckpt, init, model_cfg, model_source = resolve_start(cfg, data, rt.master)
-    try:
-        mcfg = GPTConfig.from_dict({**model_cfg, "routing_impl": cfg.routing_impl})
-    except ValueError as e:
-        fail(e)
+    ckpt, init, mcfg, model_source = resolve_start(cfg, data, rt.master)
     state = ckpt["model"] if ckpt is not None else init["model"] if init is not None else None
     raw_model = build_model(mcfg, cfg, rt.device, rt.param_dtype, state, rt.master)   # checkpoints save it: clean names
     params = [p for p in raw_model.parameters() if p.requires_grad]
@@ -654,9 +699,13 @@ def main(argv):
     device_name = torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else platform.processor() or "cpu"
     log_header(cfg, rt, raw_model, mcfg, data, model_source, step, device_name)
     extra = {"model_config": asdict(mcfg), "model_source": model_source, "train_config": asdict(cfg), "meta": data.meta,
-             "tokenizer": data.meta["tokenizer"], "tokenizer_id": data.meta["tokenizer_id"], "git": git_revision()}
-    log = StepLog(cfg, rt, raw_model, device_name if rt.device_type == "cuda" else None, step, saved_step,
-                  Tracker(cfg, rt.master, extra["train_config"]), data.bytes_per_token)
+             "tokenizer": keep_tokenizer(cfg.out_dir, data.meta["tokenizer"], rt.master),
+             "tokenizer_id": data.meta["tokenizer_id"], "git": git_revision()}
+    try:   # (a resume reads the log: a damaged line mid-file is named)
+        log = StepLog(cfg, rt, raw_model, device_name if rt.device_type == "cuda" else None, step, saved_step,
+                      Tracker(cfg, rt.master, extra["train_config"]), data.bytes_per_token)
+    except ValueError as e:
+        fail(e)
     grad_sync = OverlappedGradSync(params, cfg.grad_bucket_mb) if grad_sync_plan(cfg, rt)[0] else None
     graphed = GraphedMicrostep(model, rt.autocast, loss_scale=1 / data.accum, grad_sync=grad_sync) if rt.graphs else None
     wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -716,4 +765,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script(lambda: main(sys.argv[1:]), "train.py")

@@ -2,6 +2,8 @@
 # The 8B delta path on one H200: random Llama-3.1-8B in HF layout -> convert.py (identity check on the GPU, fp32)
 # -> 20 training steps of the delta model (fused routing, activation checkpointing, bf16 weights and AdamW
 # states: 8B x (2 + 2 + 4) bytes = 64 GB, where fp32 master weights would need 128 GB before activations).
+# W (default scratch8b) is this script's folder: the random model it writes there ($W/hf) is removed once converted,
+# and $W/conv is replaced on every call; give W=<a new folder> to keep an earlier one.
 set -x
 W=${W:-scratch8b}
 mkdir -p $W

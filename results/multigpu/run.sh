@@ -12,7 +12,9 @@
 #   bash results/multigpu/run.sh bench         # torchrun bench.py ddp: the all-reduce's share of the step, overlapped
 # SCALES="100m 1b" MODES=mhar AGAIN= pick a subset (AGAIN= skips the repeats); runs with a log in
 # results/multigpu/logs/scaling are skipped, so the work can be split over device calls (copy each call's logs back).
-# Logs go to $OUT (when set) or results/multigpu/logs/.
+# Logs go to $OUT (when set) or results/multigpu/logs/. The ddp and scaling runs save no checkpoint: a run again
+# into its out/ folder keeps the earlier log beside the new one (train.py). fsdp refuses a $W/run that exists unless
+# FRESH=1 (which removes it); $W/hf and $W/conv are this script's own intermediates (a random model), removed by it.
 set -eo pipefail
 N=${N:-$(nvidia-smi -L | wc -l)}
 DEST=${OUT:-results/multigpu/logs}
@@ -37,7 +39,6 @@ ddp)   # graphed steps (under torchrun: no DDP wrapper, gradients averaged after
     ${EAGER:+--cuda_graph=False}"
   sfx=_graph; [ -n "$EAGER" ] && sfx=
   one=ddp_1gpu$sfx; many=ddp_${N}gpu$sfx
-  rm -rf out/$one out/$many
   python train.py $ARGS --out_dir=out/$one > "$DEST/$one.txt" 2>&1
   torchrun --standalone --nproc_per_node=$N train.py $ARGS --out_dir=out/$many > "$DEST/$many.txt" 2>&1
   cp out/$one/log.jsonl "$DEST/$one.log.jsonl"
@@ -54,7 +55,6 @@ scaling)   # each command on 1 GPU and on N, then the 1-GPU repeats; data: the o
     if [ -f "$LOGS/$name.log.jsonl" ]; then echo "done already: $name"; return; fi
     local args="config/train_$1.py --residual=$2 --data_dir=data/books_wiki --max_steps=$S --warmup_steps=50
       --lr_decay_steps=$S --eval_interval=100 --eval_tokens=262144 --save=False --log_interval=1 --out_dir=out/$name"
-    rm -rf out/$name
     echo "$(date +%T) $name"
     local launch="python"
     [ "$3" = 1 ] || launch="torchrun --standalone --nproc_per_node=$3"
@@ -89,7 +89,10 @@ bench)   # one process group: the step with no average, one all-reduce after the
   ;;
 fsdp)
   mkdir -p $W
-  rm -rf $W/run
+  if [ -e $W/run ]; then
+    [ "${FRESH:-0}" = 1 ] || { echo "run.sh: $W/run holds an earlier fsdp run: FRESH=1 replaces it, or give W=<a new folder>" >&2; exit 2; }
+    rm -rf $W/run
+  fi
   python results/delta_8b/random_hf.py $W/hf
   python convert.py --hf_dir=$W/hf --out_dir=$W/conv --tokenizer=gpt2 --device=cuda --block_size=4096 --force \
     > "$DEST/convert.txt" 2>&1

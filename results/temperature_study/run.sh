@@ -15,6 +15,9 @@
 # A run whose log is in the log folder ($LOGS) is skipped (done); its log.jsonl is copied there only when it finished.
 # EXTRA="--lr=5e-4" appends train.py arguments to every run (give such runs their own LOGS: the names do not show it).
 # SAVE=True keeps a reduced run's checkpoint in out/study/NAME (for eval.py); by default only the logs are kept.
+# A stopped run that has a checkpoint ($RUNS/NAME/ckpt.pt: SAVE=True or BUDGET=paper) resumes from it; one without
+#   starts again (train.py keeps its old log beside the new). Nothing is deleted: FRESH=1 removes a run's folder
+#   ($RUNS/NAME) and empties its .txt before it starts from scratch; otherwise each attempt's output is appended.
 # Long lists can run in the background of a warm machine: nohup bash results/temperature_study/run.sh ... &
 # A copy without its own .git names its tree in each run's header by MHAR_REVISION (which wins over git when set):
 #   MHAR_REVISION=$(git rev-parse --short HEAD) where the checkout is, then MHAR_REVISION=<that> bash run.sh ... there.
@@ -79,11 +82,10 @@ run_one() {   # SPEC: train it unless its log is in $LOGS
   if [[ ${init:-0} =~ [1-9] ]]; then name=${name}_q$init; route_args="$route_args --route_init_std=$init"; fi
   if [ -f "$LOGS/$name.log.jsonl" ]; then echo "$name: done, skipped"; return; fi
   start=--init_from=scratch
-  if [ "$BUDGET" = paper ] && [ -f "$RUNS/$name/ckpt.pt" ]; then
+  if [ "${FRESH:-0}" = 1 ]; then
+    rm -rf "${RUNS:?}/$name"; : > "$LOGS/$name.txt"; echo "$name: FRESH=1, starting from scratch"
+  elif [ -f "$RUNS/$name/ckpt.pt" ]; then
     start=--init_from=resume; echo "$name: resuming $RUNS/$name"
-  else
-    rm -rf "${RUNS:?}/$name"   # a reduced run, or one stopped before its first checkpoint, starts over
-    : > "$LOGS/$name.txt"
   fi
   local cmd="python train.py $cfg --residual=$mode --seed=$seed --route_scale=$scale $route_args $shape_args --data_dir=$DATA
     --save=$SAVE --out_dir=$RUNS/$name --log_interval=10 $start $EXTRA"
