@@ -3295,6 +3295,21 @@ def write_eval_log(path, v):
             f.write(json.dumps({"step": step, "val_loss": v + (2000 - step) / 1000}) + "\n")
 
 
+def test_study_power_is_the_noncentral_t():
+    """report.py's power of the paired t-test, by integrating the noncentral t numerically, against reference values
+    of scipy.stats.nct (effect in standard deviations, seeds, the exact two-sided 95% critical t): the size of the
+    test at effect 0, a small and a heavy-tailed (1 degree of freedom) case; and the seeds needed for 80% power (for
+    the study's single head s = 0.25 - MHAR H = 4 at 100M, 9; the normal approximation it replaced said 8)."""
+    study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
+    for effect, n, crit, scipy_power in ((1.5, 4, 3.1824463052837078, 0.5327926072613415),
+                                         (0.8, 9, 2.306004135204166, 0.5590961236283124),
+                                         (0.0, 5, 2.7764451051977934, 0.05),
+                                         (1.2, 2, 12.706204736174694, 0.10823635440349615)):
+        assert abs(study.t_power(effect, n, crit) - scipy_power) < 1e-6, (effect, n)
+    assert study.seeds_for_power(1.0, 1.0) == 10 and study.t_power(1.0, 10) >= 0.8 > study.t_power(1.0, 9)
+    assert study.seeds_for_power(0.0052, 0.0026 * 3 ** 0.5) == 9   # single head s = 0.25 - MHAR H = 4 at 100M
+
+
 def test_temperature_study_report_pairs_seeds(tmp_path):
     """results/temperature_study/report.py: runs parsed from their names, paired per-seed deltas, mean, SE and t
     (here on three hand-made logs per config: a test of the arithmetic, not a result)."""

@@ -11,8 +11,8 @@ Metrics: tail-5 = the mean of the last 5 evals (the primary metric: steps 1600-2
 the paper's), final = the last eval. A comparison A - B pairs the runs of one seed (same initialisation of the shared
 weights, same data order): per-seed deltas, their mean, standard error (sd / sqrt(n)), t = mean / SE with the
 two-sided 95% critical value of Student's t for n - 1 degrees of freedom, how many seeds agree in sign, and how many
-seeds a test at 95% would need for 80% power if the true delta were this mean at this spread (the normal
-approximation to the noncentral t: within a seed or two of the exact n at these sizes).
+seeds a test at 95% would need for 80% power if the true delta were this mean at this spread (power by the exact
+noncentral t, integrated numerically: t_power).
 """
 import glob
 import math
@@ -77,12 +77,29 @@ def t95(df):
     return T95.get(df) or z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
+def t_power(effect, n, crit=None, points=4000):
+    """Power of the two-sided paired t-test at 95% with n seeds when the true mean delta is `effect` per-seed standard
+    deviations: T = (Z + lam) / S with lam = effect sqrt(n) and S = sqrt(V / nu), V ~ chi-square(nu = n - 1) (the
+    noncentral t), so P(|T| > c) = E_S[Phi(lam - c S) + Phi(-lam - c S)], the expectation over S's density (a scaled
+    chi) by the midpoint rule on [0, S_max]."""
+    nu, lam, c = n - 1, abs(effect) * math.sqrt(n), crit or t95(n - 1)
+    top = math.sqrt((nu + 12 * math.sqrt(2 * nu) + 40) / nu)   # S beyond this holds < 1e-12 of the mass
+    log_norm = math.log(2) + (nu / 2) * math.log(nu / 2) - math.lgamma(nu / 2)   # S's density: chi(nu) / sqrt(nu)
+    phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+    total = 0.0
+    for i in range(points):
+        s = (i + 0.5) * top / points
+        density = math.exp(log_norm + (nu - 1) * math.log(s) - nu * s * s / 2)
+        total += density * (phi(lam - c * s) + phi(-lam - c * s))
+    return total * top / points
+
+
 def seeds_for_power(mean, sd, power=0.8):
     """Seeds a paired test at 95% needs for this power if the true delta is `mean` at per-seed spread `sd`."""
     if not sd or not mean:
         return None
-    for n in range(2, 10000):
-        if 0.5 * (1 + math.erf((abs(mean) * math.sqrt(n) / sd - t95(n - 1)) / math.sqrt(2))) >= power:
+    for n in range(2, 1000):
+        if t_power(mean / sd, n) >= power:
             return n
     return None
 
