@@ -3310,6 +3310,52 @@ def test_study_power_is_the_noncentral_t():
     assert study.seeds_for_power(0.0052, 0.0026 * 3 ** 0.5) == 9   # single head s = 0.25 - MHAR H = 4 at 100M
 
 
+def test_study_equivalence_and_last11(tmp_path):
+    """report.py's third-study reading: one-sided 95% critical t against scipy.stats.t.ppf (the table, and the
+    Cornish-Fisher expansion past it), the 90% interval and the equivalence test within +-MARGIN, the four outcomes,
+    and last-11 (the paper's metric: the mean of the last 11 evals) on hand-made logs: a test of the arithmetic."""
+    study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
+    for df, scipy_t in ((3, 2.3533634348018233), (10, 1.8124611228116756), (30, 1.697260886593957)):
+        assert abs(study.t90(df) - scipy_t) < 2e-3, df
+    st = study.stats([0.001, -0.002, 0.003, 0.0])
+    half = study.t90(3) * st["se"]
+    assert abs(st["hi90"] - st["lo90"] - 2 * half) < 1e-12 and st["hi90"] < study.MARGIN
+    assert study.outcome(st) == f"within +-{study.MARGIN:g} (equivalent)"
+    assert study.outcome(study.stats([0.030, 0.031, 0.029, 0.032])) == "B ahead, separated"
+    assert study.outcome(study.stats([0.030, 0.031, 0.029, 0.032]), p=0.06).startswith("not separated")   # Holm's p
+    assert study.outcome(study.stats([-0.010, -0.011, -0.009, -0.012])) == \
+        f"A ahead, separated; within +-{study.MARGIN:g} (equivalent)"
+    assert study.outcome(study.stats([0.05, -0.05, 0.04, -0.03])).startswith("not separated, not shown within")
+    wide = study.stats([0.02, -0.02, 0.01, -0.01])   # the power to find MARGIN falls with the seeds' spread
+    assert wide["power_margin"] == study.t_power(study.MARGIN / wide["sd"], 4) and wide["power_margin"] < 0.8
+    assert st["power_margin"] > 0.99
+    # p values against scipy.stats.t.sf (two-sided): 100M's MHAR H = 8 row, p = 0.042 at 2 degrees of freedom, and 3
+    for d, scipy_p in (([-0.0111, -0.0242, -0.0218], 0.04196114243987934),
+                       ([0.01, 0.02, 0.015, 0.005], 0.030466291662170977)):
+        assert abs(study.p_value(study.stats(d)) - scipy_p) < 1e-6
+    for seed, gap in enumerate([0.01, 0.02, 0.015, 0.005]):
+        for name, v in ((f"attnres_s{seed}_x0.125", 3.5 + gap), (f"mhar_s{seed}", 3.5),
+                        (f"attnres_s{seed}", 3.5 + gap + (0.03, 0.05, 0.02, 0.06)[seed])):
+            with open(tmp_path / f"350m_{name}.log.jsonl", "w") as f:
+                for step in range(0, 2001, 100):   # 21 evals; the last 11 are steps 1000-2000
+                    f.write(json.dumps({"step": step, "val_loss": v + step / 1e5}) + "\n")
+            tree = "def5678+dirty" if name == "attnres_s3_x0.125" else "abc1234"   # it ran on another tree
+            (tmp_path / f"350m_{name}.txt").write_text(f"run.sh: python train.py\ngit 0000000 | torch\nstopped\n"
+                                                       f"run.sh: python train.py\ngit {tree} | torch\ndone\n")
+    rs = study.runs(str(tmp_path))
+    assert rs[("350m", "mhar", 3)]["tree"] == "abc1234" and rs[("350m", "attnres_x0.125", 3)]["tree"] == "def5678+dirty"
+    assert abs(rs[("350m", "mhar", 0)]["last11"] - (3.5 + 0.015)) < 1e-12   # mean of steps 1000..2000 / 1e5
+    assert abs(rs[("350m", "mhar", 0)]["tail"] - (3.5 + 0.018)) < 1e-12     # mean of steps 1600..2000 / 1e5
+    table = study.third_study(rs)
+    assert "| attnres_x0.125 - mhar | tail-5 | 0,1,2,3 | +0.0100 +0.0200 +0.0150 +0.0050 |" in table
+    assert "| attnres_x0.125 - mhar | last-11 |" in table and "B ahead, separated" in table
+    assert table.count("| s3: def5678+dirty / abc1234 |") == 2   # the last attempt's tree, each metric's row
+    ps = [study.p_value(study.paired(rs, "350m", a, b, "tail")[2]) for _, a, b in study.PLAN3[1:]]
+    holm = sorted([min(1, 2 * min(ps)), max(min(1, 2 * min(ps)), max(ps))])   # Holm over the two secondary rows
+    assert all(f"(Holm {h:.3f})" in table for h in holm) and table.count("(Holm") == 4
+    assert study.third_study({}) == ""
+
+
 def test_temperature_study_report_pairs_seeds(tmp_path):
     """results/temperature_study/report.py: runs parsed from their names, paired per-seed deltas, mean, SE and t
     (here on three hand-made logs per config: a test of the arithmetic, not a result)."""

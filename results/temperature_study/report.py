@@ -8,11 +8,13 @@ per-run metrics, the pre-registered paired comparisons (README.md: fixed before 
                                                   # figures go into that folder (--fig_dir to choose)
 
 Metrics: tail-5 = the mean of the last 5 evals (the primary metric: steps 1600-2000 at the reduced budget, 18k-20k at
-the paper's), final = the last eval. A comparison A - B pairs the runs of one seed (same initialisation of the shared
+the paper's), final = the last eval, last-11 = the mean of the last 11 evals (the paper's metric: steps 15k-20k of its
+20k; steps 1000-2000 at the reduced budget, which evaluates every 100 steps). A comparison A - B pairs the runs of one seed (same initialisation of the shared
 weights, same data order): per-seed deltas, their mean, standard error (sd / sqrt(n)), t = mean / SE with the
 two-sided 95% critical value of Student's t for n - 1 degrees of freedom, how many seeds agree in sign, and how many
 seeds a test at 95% would need for 80% power if the true delta were this mean at this spread (power by the exact
-noncentral t, integrated numerically: t_power).
+noncentral t, integrated numerically: t_power). The third study adds an equivalence test (two one-sided t-tests at 5%:
+the 90% interval inside +-MARGIN) and the power to find a delta of MARGIN at the measured spread.
 """
 import glob
 import math
@@ -26,13 +28,14 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 from checkpoint import read_log  # noqa: E402
 # Student's t, two-sided 95%: critical values for 1..10 degrees of freedom
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+# ... and one-sided 95% (two-sided 90%), the equivalence test's
+T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
 # the comparisons, fixed before the runs (README.md): (shape, A, B), a config = MODE[_xSCALE][_hH][_qINIT]
 PLAN = [("100m", "attnres_x0.5", "mhar"),       # the decisive one: single head at H = 4's temperature against MHAR
         ("100m", "attnres", "mhar"),            # the paper's claim at this budget
         ("100m", "attnres", "attnres_x0.5"),    # what the temperature alone buys
         ("100m", "mhar", "baseline"), ("100m", "attnres", "baseline"), ("100m", "attnres_x0.5", "baseline"),
-        ("124m", "attnres_x0.5", "mhar"), ("124m", "attnres", "mhar"), ("124m", "attnres", "attnres_x0.5"),
-        ("350m", "attnres_x0.354", "mhar"), ("350m", "attnres", "mhar"), ("350m", "attnres", "attnres_x0.354")]
+        ("124m", "attnres_x0.5", "mhar"), ("124m", "attnres", "mhar"), ("124m", "attnres", "attnres_x0.5")]
 # the second study, fixed before its runs (README.md: "The paper's condition and the router's speed")
 PLAN2 = [  # 100M, zero init: MHAR's H against the single head's s, under s = 1/H and s = 1/sqrt(H)
          ("100m", "attnres_x0.5", "mhar_h2"), ("100m", "attnres_x0.25", "mhar"), ("100m", "attnres_x0.125", "mhar_h8"),
@@ -46,6 +49,11 @@ PLAN2 = [  # 100M, zero init: MHAR's H against the single head's s, under s = 1/
          # 350M, random init (optional; 2 seeds: a direction only)
          ("350m", "attnres_q0.02", "mhar_q0.02"), ("350m", "attnres_x0.354_q0.02", "mhar_q0.02"),
          ("350m", "attnres_q0.02", "baseline"), ("350m", "mhar_q0.02", "baseline")]
+# the third study, fixed before its runs (README.md: "The third study"): 350M, zero init, MHAR H = 8 (the KV heads,
+# run.sh's default there) against the single head at its router speed under s = 1/H (the primary comparison), then
+# the plain single head against each
+PLAN3 = [("350m", "attnres_x0.125", "mhar"), ("350m", "attnres", "mhar"), ("350m", "attnres", "attnres_x0.125")]
+MARGIN = 0.028   # the later draft's 350M gap, MHAR - single head (zero init, its anneal corpus, LR 5e-4, one seed)
 # differences of paired differences: does random init hurt the single head more than MHAR (the later draft's claim)?
 INTERACTIONS = [("124m", ("attnres_q0.02", "attnres"), ("mhar_q0.02", "mhar")),
                 ("124m", ("attnres_x0.5_q0.02", "attnres_x0.5"), ("mhar_q0.02", "mhar"))]
@@ -73,8 +81,17 @@ def family(cfg):
 
 def t95(df):
     """Student's two-sided 95% critical value: the table, else the Cornish-Fisher expansion (error < 0.002)."""
-    z = 1.959964
-    return T95.get(df) or z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    return T95.get(df) or cornish_fisher(1.959964, df)
+
+
+def t90(df):
+    """Student's one-sided 95% (two-sided 90%) critical value, the same way."""
+    return T90.get(df) or cornish_fisher(1.644854, df)
+
+
+def cornish_fisher(z, df):
+    """Student's t quantile from the normal one, z, to the second order in 1 / df."""
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
 def t_power(effect, n, crit=None, points=4000):
@@ -108,7 +125,8 @@ def load(path):
     recs = read_log(path)   # checkpoint.py's reader: a partial last line is left out
     evals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
     steps = sorted(evals)
-    return dict(evals=evals, last=steps[-1], final=evals[steps[-1]], tail=statistics.mean(evals[s] for s in steps[-5:]))
+    return dict(evals=evals, last=steps[-1], final=evals[steps[-1]], tail=statistics.mean(evals[s] for s in steps[-5:]),
+                last11=statistics.mean(evals[s] for s in steps[-11:]))
 
 
 def runs(log_dir):
@@ -118,8 +136,18 @@ def runs(log_dir):
         m = re.fullmatch(r"(\w+?)_(baseline|attnres|mhar)_s(\d+)((?:_x[\d.]+)?(?:_h\d+)?(?:_q[\d.]+)?)",
                          os.path.basename(path)[:-len(".log.jsonl")])
         if m:
-            out[(m[1], m[2] + m[4], int(m[3]))] = load(path)
+            out[(m[1], m[2] + m[4], int(m[3]))] = dict(load(path), tree=tree(path[:-len(".log.jsonl")] + ".txt"))
     return out
+
+
+def tree(console):
+    """The tree a run trained on: the last `git REV` header in its console log (run.sh appends every attempt's
+    output, and the log.jsonl is the last attempt's), or None without one."""
+    if not os.path.exists(console):
+        return None
+    with open(console, errors="replace") as f:
+        revs = [m[1] for m in re.finditer(r"^git (\S+)", f.read(), re.M)]
+    return revs[-1] if revs else None
 
 
 def paired(rs, shape, a, b, metric):
@@ -132,11 +160,32 @@ def paired(rs, shape, a, b, metric):
 
 
 def stats(d):
-    """mean, SE, t, the 95% critical t, the 95% interval and the seeds for 80% power of per-seed deltas d."""
+    """mean, SE, t, the 95% critical t, the 95% and 90% intervals, the seeds for 80% power, and the power to find a
+    delta of MARGIN at this spread, of per-seed deltas d."""
     mean, sd = statistics.mean(d), statistics.stdev(d)
-    se, crit = sd / math.sqrt(len(d)), t95(len(d) - 1)
-    return dict(mean=mean, se=se, t=mean / se if se > 0 else float("inf"), t95=crit, lo=mean - crit * se,
-                hi=mean + crit * se, n80=seeds_for_power(mean, sd))
+    se, crit, crit90 = sd / math.sqrt(len(d)), t95(len(d) - 1), t90(len(d) - 1)
+    return dict(n=len(d), mean=mean, sd=sd, se=se, t=mean / se if se > 0 else float("inf"), t95=crit, lo=mean - crit * se,
+                hi=mean + crit * se, lo90=mean - crit90 * se, hi90=mean + crit90 * se, n80=seeds_for_power(mean, sd),
+                power_margin=t_power(MARGIN / sd, len(d)) if sd > 0 else 1.0)
+
+
+def p_value(st):
+    """The two-sided p value of a paired t: P(|T| > |t|) for Student's t with n - 1 degrees of freedom, which is
+    t_power at effect 0 with |t| as the critical value."""
+    return t_power(0.0, st["n"], abs(st["t"])) if math.isfinite(st["t"]) else 0.0
+
+
+def outcome(st, p=None, margin=MARGIN):
+    """The third study's reading of a comparison A - B, fixed before its runs: separated from 0 (p below 0.05: its own
+    p, or the Holm-adjusted one where given; lower loss is better, so a positive delta puts B ahead), equivalent
+    within +-margin (both one-sided t-tests at 5% reject a delta of margin or more: the 90% interval lies inside
+    +-margin), both, or neither."""
+    said = []
+    if (p_value(st) if p is None else p) < 0.05:
+        said.append(("B" if st["mean"] > 0 else "A") + " ahead, separated")
+    if -margin < st["lo90"] and st["hi90"] < margin:
+        said.append(f"within +-{margin:g} (equivalent)")
+    return "; ".join(said) or f"not separated, not shown within +-{margin:g}"
 
 
 def interaction(rs, shape, first, second, metric):
@@ -183,6 +232,35 @@ def row(shape, name, seeds, d, st, fin):
             + (f"{st['mean']:+.4f} +- {st['se']:.4f} | {abs(st['t']):.2f} ({st['t95']:.2f}) | {same}/{len(d)} | "
                f"{fin['mean']:+.4f} +- {fin['se']:.4f} | {st['lo']:+.4f} to {st['hi']:+.4f} | {st['n80'] or '-'} |"
                if st else "- | - | - | - | - | - |"))
+
+
+def third_study(rs):
+    """The third study's table: each PLAN3 comparison on tail-5 and on last-11, with its p (Holm-adjusted over the
+    secondary comparisons, PLAN3[1:]; the primary one is tested alone), its 95% interval, the 90% interval
+    the equivalence test reads, the power to find MARGIN at the measured spread, the plan's outcome, and the seeds
+    whose two runs trained on different trees (the same seed on another tree moves a run by ~0.003-0.015)."""
+    lines = [f"| A - B | metric | seeds | per-seed deltas | mean +- SE | \\|t\\| (95%: >) | p | 95% interval "
+             f"| 90% interval | power for {MARGIN:g} | outcome | pairs from two trees |", "|" + "---|" * 12]
+    holm = {}   # the secondary comparisons (PLAN3[1:]) get Holm-adjusted p values, per metric
+    for metric in ("tail", "last11"):
+        ps = {(a, b): p_value(st) for shape, a, b in PLAN3[1:] if (st := paired(rs, shape, a, b, metric)[2])}
+        running = 0.0
+        for i, (key, p) in enumerate(sorted(ps.items(), key=lambda kv: kv[1])):
+            running = max(running, min(1.0, (len(ps) - i) * p))
+            holm[(metric, *key)] = running
+    for shape, a, b in PLAN3:
+        for metric, label in (("tail", "tail-5"), ("last11", "last-11")):
+            seeds, d, st = paired(rs, shape, a, b, metric)
+            if st:
+                adjusted = holm.get((metric, a, b))
+                p = f"{p_value(st):.3f}" + (f" (Holm {adjusted:.3f})" if adjusted is not None else "")
+                mixed = [f"s{sd}: {rs[(shape, a, sd)]['tree']} / {rs[(shape, b, sd)]['tree']}" for sd in seeds
+                         if rs[(shape, a, sd)]["tree"] != rs[(shape, b, sd)]["tree"]]
+                lines.append(f"| {a} - {b} | {label} | {','.join(map(str, seeds))} | {' '.join(f'{x:+.4f}' for x in d)} | "
+                             f"{st['mean']:+.4f} +- {st['se']:.4f} | {abs(st['t']):.2f} ({st['t95']:.3f}) | {p} | "
+                             f"{st['lo']:+.4f} to {st['hi']:+.4f} | {st['lo90']:+.4f} to {st['hi90']:+.4f} | "
+                             f"{st['power_margin']:.2f} | {outcome(st, adjusted)} | {', '.join(mixed) or 'none'} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def scale_of(cfg):
@@ -348,6 +426,9 @@ if __name__ == "__main__":
     if not rs:
         raise SystemExit(f"no finished runs in {args.log_dir}: bash results/temperature_study/run.sh SPEC ...")
     print(tables(rs))
+    if third_study(rs):
+        print(f"\nThe third study (350M, planned; A ahead = A's loss lower; equivalent = within +-{MARGIN:g}):\n")
+        print(third_study(rs))
     print()
     print(sweep(rs))
     here = os.path.join(HERE, "logs")
