@@ -259,7 +259,7 @@ def main(argv=None):
                    help="replay forward+backward as one CUDA graph (train.py --cuda_graph); CUDA only")
     p.add_argument("--output", default="out/bench.json", help="results JSON")
     args = p.parse_args(argv)
-    scales, variants = pick(args.scales, SCALES, "scale"), pick(args.variants, VARIANTS, "variant")
+    scales, variants = pick(args.scales, SCALES, "scales"), pick(args.variants, VARIANTS, "variants")
     check_options("bench.py", args, STEP_RULES)
     cuda = args.device.startswith("cuda")
     if cuda:
@@ -356,8 +356,8 @@ def ddp_args(argv):
                    help="cuda: one GPU per process (NCCL); cpu: gloo")
     p.add_argument("--output", default="out/bench_ddp.json", help="results JSON (rank 0)")
     args = p.parse_args(argv)
-    args.scales, args.variants = pick(args.scales, SCALES, "scale"), pick(args.variants, VARIANTS, "variant")
-    args.ways = pick(args.ways, WAYS, "way")
+    for option, known in (("scales", SCALES), ("variants", VARIANTS), ("ways", WAYS)):
+        setattr(args, option, pick(getattr(args, option), known, option, "bench.py ddp"))
     check_options("bench.py ddp", args, STEP_RULES + [("accum", lambda v: v >= 0, "an integer >= 0 (0: the scale's)"),
                                                       ("bucket_mb", lambda v: v > 0, "a finite number > 0")])
     if "overlap" in args.ways and (args.device == "cpu" or args.cuda_graph == "False"):

@@ -38,12 +38,14 @@ CHAIN_SHAPES = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), (
 
 # ---- the chains every routing benchmark and test runs ------------------------------------------------------------
 
-def pick(text, known, what):
-    """The comma-separated names in text, each one of `known` (else a one-line error naming it and the choices)."""
+def pick(text, known, option, prog="bench.py"):
+    """The comma-separated names in text (the value of --option), each one of `known`, else a one-line error naming
+    the program, the option, the names it does not know and the choices."""
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in names if v not in known]
     if bad or not names:
-        sys.exit(f"bench.py: error: unknown {what} {bad}; {what}s: {','.join(known)}")
+        what = f"does not know {','.join(bad)}" if bad else "names nothing"
+        sys.exit(f"{prog}: error: --{option}={text} {what}: give one or more of {','.join(known)}, comma-separated")
     return names
 
 

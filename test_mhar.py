@@ -2968,10 +2968,13 @@ def test_bench_smoke(tmp_path):
     assert [row["variant"] for row in rows] == list(bench.VARIANTS)
     assert all(row["tok_s"] > 0 and math.isfinite(row["loss"]) for row in rows)
     assert "| baseline | 1.00x" in r.stdout
-    assert unknown.returncode != 0 and "unknown scale ['2b']" in unknown.stderr
+    assert unknown.returncode != 0 and "bench.py: error: --scales=2b does not know 2b: give one or more of" in unknown.stderr
     for bad in (["--new=0"], ["--batch=1,x"], ["--prompt=-3"]):
         with pytest.raises(SystemExit, match="must be positive integers"):
             bench.generate_main(["--scale=tiny", "--device=cpu", *bad])
+    for bad, said in ((["--ways=none,x"], "--ways=none,x does not know x"), (["--variants=,"], "--variants=, names nothing")):
+        with pytest.raises(SystemExit, match=f"^bench.py ddp: error: {said}: give one or more of"):
+            bench.ddp_main(["--device=cpu", *bad])
 
 
 def test_bench_scales_are_the_configs_shapes():
