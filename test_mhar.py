@@ -3441,6 +3441,9 @@ def test_block_routing_report(tmp_path):
     assert "| 100m | (attnres_block4 - attnres) - (mhar_block4 - mhar) | 0,1 | +0.0100 +0.0100 |" in text
     assert "| 100m | attnres_block4 - baseline | 0,1 | -0.0500 -0.0300 |" in text
     assert "\n|" + "---|" * 10 + "\n" in text   # the comparison tables' separator row: ten columns
+    rs8 = rep.merged(str(tmp_path), str(full), n=8)   # the same runs read as n = 8's: their configs say so
+    assert ("100m", "mhar_block8", 1) in rs8 and "| 100m | attnres_block8 - mhar_block8 | 0,1 | +0.0400 +0.0300 |" in \
+        rep.report(rs8, n=8)
     here = os.path.join(HERE, "results", "block_routing")   # the committed report recomputes from the committed logs
     committed = rep.report(rep.merged(os.path.join(here, "logs"), os.path.join(HERE, "results", "temperature_study",
                                                                                 "logs")))
