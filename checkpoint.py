@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from prepare_data import pid_alive
+
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (its partial file is removed; the previous checkpoints are untouched)."""
@@ -409,16 +411,6 @@ def lock_out_dir(out_dir, say=print):
         atexit.register(unlock_out_dir, path, me["pid"], created)
         return path
     raise OutDirLocked(f"could not take {path}; delete it if no run uses {out_dir}")
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's live process
-        return True
-    return True
 
 
 def unlock_out_dir(path, pid, created):

@@ -601,14 +601,25 @@ def _stop(signum, frame):
 
 
 def lock_holder(out_dir):
-    """The pid of a live prepare_data.py that holds out_dir/prepare.lock on this machine, else None."""
+    """The pid of the prepare_data.py that holds out_dir/prepare.lock (alive, or on another host, where that cannot be
+    known), else None."""
     try:
         with open(os.path.join(out_dir, "prepare.lock")) as f:
             pid, host = f.read().split()
-        os.kill(int(pid), 0) if host == socket.gethostname() else None
-        return int(pid)
-    except (OSError, ValueError):   # no lock, a dead process, or a lock that is not one
+        return int(pid) if host != socket.gethostname() or pid_alive(int(pid)) else None
+    except (OSError, ValueError):   # no lock, or a lock that is not one
         return None
+
+
+def pid_alive(pid):
+    """Is process pid running on this machine? (Another user's counts: signalling it is refused, not failed.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def take_lock(out_dir):

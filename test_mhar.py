@@ -1175,6 +1175,19 @@ def test_prepare_data_limits_and_refusals(tmp_path, corpus, data_dir):
         prepare_data.prepare(input=str(tmp_path / "missing*.jsonl"), out_dir=str(tmp_path / "x"))
 
 
+def test_lock_holder_reads_another_users_process_as_alive(tmp_path, monkeypatch):
+    """prepare.lock's holder: gone (no such process) -> None; another user's live process (signalling it is refused)
+    or a process on another host -> its pid: the folder stays refused. One pid_alive for train.lock and prepare.lock."""
+    (tmp_path / "prepare.lock").write_text(f"4242 {socket.gethostname()}")
+    for error, holder in ((ProcessLookupError, None), (PermissionError, 4242)):
+        def kill(pid, sig, error=error):
+            raise error
+        monkeypatch.setattr(os, "kill", kill)
+        assert prepare_data.lock_holder(str(tmp_path)) == holder and checkpoint.pid_alive(4242) == (holder is not None)
+    (tmp_path / "prepare.lock").write_text("4242 another-host")
+    assert prepare_data.lock_holder(str(tmp_path)) == 4242
+
+
 def test_prepare_data_one_run_per_folder_and_checksums(tmp_path, corpus):
     """prepare_data.py holds out_dir/prepare.lock while it writes: a second prepare into the folder is refused naming the
     first (a lock whose process is gone is taken over); meta.json records each file's SHA-256, which --verify checks
