@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import read_log
-from model import GPT, route_reference
+from model import GPT
 from prepare_data import TokenData, check_device, check_files, checkpoint_tokenizer, load_tokenizer, run_script
 
 TASKS = ("wikitext2", "lambada", "hellaswag")

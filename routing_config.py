@@ -125,7 +125,6 @@ def lead_schedule(N, lead_min, fwd_sites=1):
             frozenset(j for j in range(2, N + 1, 2) if N - j + 1 >= lead_min))  # gather j reads N - j + 1 gradients
 
 
-
 # ---- the tuner that writes TUNED_H200 (bench.py routing --tune-train) -------------------------------------------------
 
 TUNABLE = ("fwd", "fwd_lead", "fwd_lead_sites", "gather", "gather_lead", "stored_logits")   # the chain's settings
@@ -166,6 +165,7 @@ def tune(kernels, shapes, time_fn, candidates=CANDIDATES):
         print(f"tuned ({d}, {H}): {entry}", flush=True)
         tuned.append(cfg)
     return tuned
+
 
 # ---- the launch itself ------------------------------------------------------------------------------------------------
 
