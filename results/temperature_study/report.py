@@ -9,12 +9,13 @@ per-run metrics, the pre-registered paired comparisons (README.md: fixed before 
 
 Metrics: tail-5 = the mean of the last 5 evals (the primary metric: steps 1600-2000 at the reduced budget, 18k-20k at
 the paper's), final = the last eval, last-11 = the mean of the last 11 evals (the paper's metric: steps 15k-20k of its
-20k; steps 1000-2000 at the reduced budget, which evaluates every 100 steps). A comparison A - B pairs the runs of one seed (same initialisation of the shared
-weights, same data order): per-seed deltas, their mean, standard error (sd / sqrt(n)), t = mean / SE with the
-two-sided 95% critical value of Student's t for n - 1 degrees of freedom, how many seeds agree in sign, and how many
-seeds a test at 95% would need for 80% power if the true delta were this mean at this spread (power by the exact
-noncentral t, integrated numerically: t_power). The third study adds an equivalence test (two one-sided t-tests at 5%:
-the 90% interval inside +-MARGIN) and the power to find a delta of MARGIN at the measured spread.
+20k; steps 1000-2000 at the reduced budget, which evaluates every 100 steps). A comparison A - B pairs the runs of one
+seed (same initialisation of the shared weights, same data order): per-seed deltas, their mean, standard error (sd /
+sqrt(n)), t = mean / SE with the two-sided 95% critical value of Student's t for n - 1 degrees of freedom, how many
+seeds agree in sign, and how many seeds a test at 95% would need for 80% power if the true delta were this mean at
+this spread (power by the exact noncentral t, integrated numerically: t_power). The third study adds an equivalence
+test (two one-sided t-tests at 5%: the 90% interval inside +-MARGIN) and the power to find a delta of MARGIN at the
+measured spread.
 """
 import glob
 import math
@@ -164,9 +165,9 @@ def stats(d):
     delta of MARGIN at this spread, of per-seed deltas d."""
     mean, sd = statistics.mean(d), statistics.stdev(d)
     se, crit, crit90 = sd / math.sqrt(len(d)), t95(len(d) - 1), t90(len(d) - 1)
-    return dict(n=len(d), mean=mean, sd=sd, se=se, t=mean / se if se > 0 else float("inf"), t95=crit, lo=mean - crit * se,
-                hi=mean + crit * se, lo90=mean - crit90 * se, hi90=mean + crit90 * se, n80=seeds_for_power(mean, sd),
-                power_margin=t_power(MARGIN / sd, len(d)) if sd > 0 else 1.0)
+    return dict(n=len(d), mean=mean, sd=sd, se=se, t=mean / se if se > 0 else float("inf"), t95=crit,
+                lo=mean - crit * se, hi=mean + crit * se, lo90=mean - crit90 * se, hi90=mean + crit90 * se,
+                n80=seeds_for_power(mean, sd), power_margin=t_power(MARGIN / sd, len(d)) if sd > 0 else 1.0)
 
 
 def p_value(st):
@@ -238,7 +239,7 @@ def third_study(rs):
     """The third study's table: each PLAN3 comparison on tail-5 and on last-11, with its p (Holm-adjusted over the
     secondary comparisons, PLAN3[1:]; the primary one is tested alone), its 95% interval, the 90% interval
     the equivalence test reads, the power to find MARGIN at the measured spread, the plan's outcome, and the seeds
-    whose two runs trained on different trees (the same seed on another tree moves a run by ~0.003-0.015)."""
+    whose two runs trained on different trees (a rerun of one seed moved a run's tail-5 by ~0.005: README.md)."""
     lines = [f"| A - B | metric | seeds | per-seed deltas | mean +- SE | \\|t\\| (95%: >) | p | 95% interval "
              f"| 90% interval | power for {MARGIN:g} | outcome | pairs from two trees |", "|" + "---|" * 12]
     holm = {}   # the secondary comparisons (PLAN3[1:]) get Holm-adjusted p values, per metric
@@ -256,7 +257,8 @@ def third_study(rs):
                 p = f"{p_value(st):.3f}" + (f" (Holm {adjusted:.3f})" if adjusted is not None else "")
                 mixed = [f"s{sd}: {rs[(shape, a, sd)]['tree']} / {rs[(shape, b, sd)]['tree']}" for sd in seeds
                          if rs[(shape, a, sd)]["tree"] != rs[(shape, b, sd)]["tree"]]
-                lines.append(f"| {a} - {b} | {label} | {','.join(map(str, seeds))} | {' '.join(f'{x:+.4f}' for x in d)} | "
+                lines.append(f"| {a} - {b} | {label} | {','.join(map(str, seeds))} | "
+                             f"{' '.join(f'{x:+.4f}' for x in d)} | "
                              f"{st['mean']:+.4f} +- {st['se']:.4f} | {abs(st['t']):.2f} ({st['t95']:.3f}) | {p} | "
                              f"{st['lo']:+.4f} to {st['hi']:+.4f} | {st['lo90']:+.4f} to {st['hi90']:+.4f} | "
                              f"{st['power_margin']:.2f} | {outcome(st, adjusted)} | {', '.join(mixed) or 'none'} |")
