@@ -25,13 +25,36 @@ from checkpoint import is_dtensor, read_log, trim_log
 
 # ---- routing statistics -----------------------------------------------------------------------------------------------
 
+# The statistics come from the reference routing, which records the weights: fp32, every site re-stacking its sources,
+# so its largest transient is ~18 bytes per source element against the fused chain's 2 (bf16), which a training step
+# holds once. An eighth of a microbatch at a time keeps the statistics' forward near that (a 350M eval of the whole
+# microbatch at once asked for more than an 80 GB card had left beside the step's CUDA graphs).
+STATS_PIECES = 8
+
+
 @torch.no_grad()
-def routing_stats(routing, delta=False):
+def routing_statistics(model, x, y, autocast, delta=False):
+    """Routing statistics of one microbatch (x, y: (B, T)) and its loss summed over its targets (a float64 tensor): the
+    model runs with return_routing=True on STATS_PIECES pieces of the batch, eagerly (the pieces' shape would
+    otherwise recompile the sublayers), and each piece's weights are reduced to per-site sums as they come, so one
+    piece's are held at a time. The statistics equal those of the whole batch in one forward."""
+    sums, loss_sum, rows = None, torch.zeros((), dtype=torch.float64, device=y.device), -(-len(x) // STATS_PIECES)
+    for i in range(0, len(x), rows):
+        with autocast, torch.compiler.set_stance("force_eager"):
+            _, loss, routing = model(x[i:i + rows], y[i:i + rows], return_routing=True)
+        part = [alpha.double().sum((1, 2)) for alpha in routing]        # per site: (N_j, H) summed over tokens
+        sums = part if sums is None else [s + p for s, p in zip(sums, part)]
+        loss_sum += loss.double() * y[i:i + rows].numel()
+    return routing_stats([s / y.numel() for s in sums], delta), loss_sum
+
+
+def routing_stats(means, delta=False):
     """Per site: the entropy of the token-averaged routing weights, and the weight on the first history source (the
-    embedding) and on the newest, per head. routing: model(..., return_routing=True)'s list of alpha (N_j, B, T, H)."""
+    embedding) and on the newest, per head. means: per site, the routing weights alpha averaged over the tokens,
+    (N_j, H)."""
     stats = {"entropy": [], "w_first": [], "w_newest": []}
-    for alpha in routing:
-        mean = alpha.double().mean((1, 2))                              # (N_j, H): token-averaged weights
+    for mean in means:
+        mean = mean.double()
         stats["entropy"].append((0.0 - (mean * mean.clamp_min(1e-30).log()).sum(0)).tolist())   # (0.0 - : no -0.0)
         stats["w_first"].append(mean[min(int(delta), len(mean) - 1)].tolist())
         stats["w_newest"].append(mean[-1].tolist())

@@ -5,6 +5,7 @@ Tests: the README's command, python -m pytest -q -rs -n auto --maxprocesses=16 -
 One section per file under test, fixtures and helpers first. Uses ../shared/data (offline text and tiktoken cache)
 when it is there; otherwise a small corpus built from Python's own documentation, and tiktoken's normal download.
 """
+import contextlib
 import errno
 import filecmp
 import functools
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 import types
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -1470,9 +1472,64 @@ def test_routing_statistics_read_a_forced_query():
         model.blocks[0].attn.o_proj.weight.zero_()
         model.routes[1].q.copy_(50 * e)
         _, _, alpha = model(torch.randint(0, 96, (2, 9)), return_routing=True)
-    stats = metrics.routing_stats(alpha)
+    stats = metrics.routing_stats([a.mean((1, 2)) for a in alpha])
     assert stats["entropy"][1] == pytest.approx([0.0, 0.0], abs=1e-6) and stats["w_first"][1] == pytest.approx([1.0, 1.0])
     assert stats["entropy"][0] == [0.0, 0.0] and stats["entropy"][2] == pytest.approx([math.log(3)] * 2)   # q = 0
+
+
+class PeakLiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The peak bytes held at once by tensors that ops create inside the mode: each storage counted once, from the op
+    that makes it until its last tensor goes; storages in `skip` (parameters, inputs) are not counted."""
+
+    def __init__(self, skip):
+        super().__init__()
+        self.skip, self.live, self.now, self.peak = skip, {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                key = t.untyped_storage().data_ptr()
+                if key in self.skip:
+                    continue
+                if key not in self.live:
+                    self.live[key] = [t.untyped_storage().nbytes(), 0]
+                    self.now += self.live[key][0]
+                    self.peak = max(self.peak, self.now)
+                self.live[key][1] += 1
+                weakref.finalize(t, self._drop, key)
+        return out
+
+    def _drop(self, key):
+        self.live[key][1] -= 1
+        if not self.live[key][1]:
+            self.now -= self.live.pop(key)[0]
+
+
+def test_routing_statistics_stay_within_the_fused_source_buffer():
+    """The eval's routing statistics (metrics.routing_statistics) run the reference routing in pieces of the microbatch:
+    what they hold at once stays under the fused chain's source buffer of the whole microbatch (N x B x T x d elements,
+    which a training step holds), where one forward of the whole microbatch with the weights recorded holds 4x more; the
+    statistics and the loss equal that forward's."""
+    torch.manual_seed(0)
+    model = GPT(tiny_cfg(residual="mhar", route_heads=2, n_layer=6)).eval()
+    randomize_routing(model)
+    x, y = torch.randint(0, 96, (16, 32)), torch.randint(0, 96, (16, 32))
+    buffer = model.cfg.n_sites * x.numel() * model.cfg.n_embd * 4                 # fp32 sources, the whole microbatch
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), x, y)}
+    peaks, results = {}, {}
+    for name, run in (("pieces", lambda: metrics.routing_statistics(model, x, y, contextlib.nullcontext())),
+                      ("whole", lambda: model(x, y, return_routing=True))):
+        with torch.no_grad(), PeakLiveBytes(skip) as mode:
+            results[name] = run()
+        peaks[name] = mode.peak
+    assert peaks["pieces"] < buffer < peaks["whole"] / 4, (peaks, buffer)
+    stats, loss_sum = results["pieces"]
+    _, loss, alpha = results["whole"]
+    whole = metrics.routing_stats([a.double().mean((1, 2)) for a in alpha])
+    for key in whole:
+        assert np.allclose(stats[key], whole[key], rtol=0, atol=1e-6), key
+    assert loss_sum.item() == pytest.approx(loss.item() * y.numel(), rel=1e-5)
 
 
 def test_keep_every_keeps_checkpoints_through_a_resume(tmp_path, data_dir):

@@ -43,7 +43,7 @@ from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, data_ch
                         is_dtensor, keep_tokenizer, load_latest, lock_out_dir, previous_checkpoint, read_checkpoint,
                         restore, save_checkpoint)
 from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync_grads
-from metrics import StepLog, Tracker, routing_stats, val_bytes_per_token
+from metrics import StepLog, Tracker, routing_statistics, val_bytes_per_token
 from model import GPT, GPTConfig
 from prepare_data import TokenData, check_files, lock_holder, run_script
 
@@ -568,17 +568,18 @@ def to_device(rows, rt):
 @torch.no_grad()
 def evaluate(model, data, cfg, rt, stats=False):
     """Mean validation loss over the fixed validation set (the first n_eval sequences of val.bin); with stats, also the
-    routing statistics of its first microbatch (metrics.routing_stats: that one runs the reference routing, which
-    records the weights), else None."""
+    routing statistics of its first microbatch (metrics.routing_statistics: the reference routing, which records the
+    weights, in pieces of the microbatch), else None."""
     total, routing = torch.zeros(2, device=rt.device, dtype=torch.float64), None
     record = stats and cfg.residual in ("attnres", "mhar", "delta")
     for first in range(rt.rank * cfg.micro_batch, data.n_eval, cfg.micro_batch * rt.world):
         x, y = to_device(data.val.rows([i * cfg.block_size for i in range(first, first + cfg.micro_batch)]), rt)
-        with rt.autocast:
-            _, loss, *alpha = model(x, y, return_routing=record and routing is None)
-        if alpha:
-            routing = routing_stats(alpha[0], delta=cfg.residual == "delta")
-        total += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), device=rt.device, dtype=torch.float64)])
+        if record and routing is None:
+            routing, loss_sum = routing_statistics(model, x, y, rt.autocast, delta=cfg.residual == "delta")
+        else:
+            with rt.autocast:
+                loss_sum = model(x, y)[1].double() * y.numel()
+        total += torch.stack([loss_sum, torch.tensor(y.numel(), device=rt.device, dtype=torch.float64)])
     if rt.ddp:
         dist.all_reduce(total)
     return (total[0] / total[1]).item(), routing
