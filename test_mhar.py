@@ -3420,13 +3420,52 @@ def test_study_equivalence_and_last11(tmp_path):
     assert abs(rs[("350m", "mhar", 0)]["last11"] - (3.5 + 0.015)) < 1e-12   # mean of steps 1000..2000 / 1e5
     assert abs(rs[("350m", "mhar", 0)]["tail"] - (3.5 + 0.018)) < 1e-12     # mean of steps 1600..2000 / 1e5
     table = study.third_study(rs)
-    assert "| attnres_x0.125 - mhar | tail-5 | 0,1,2,3 | +0.0100 +0.0200 +0.0150 +0.0050 |" in table
-    assert "| attnres_x0.125 - mhar | last-11 |" in table and "B ahead, separated" in table
+    assert "(primary): attnres_x0.125 - mhar | tail-5 | 0,1,2,3 | +0.0100 +0.0200 +0.0150 +0.0050 |" in table
+    assert "| attnres_x0.125 - mhar | last-11 (described) |" in table and "B ahead, separated" in table
+    assert table.count("| descriptive |") == 3 and "here at LR 1e-3; its draft's at 5e-4" in table
     assert table.count("| s3: def5678+dirty / abc1234 |") == 2   # the last attempt's tree, each metric's row
     ps = [study.p_value(study.paired(rs, "350m", a, b, "tail")[2]) for _, a, b in study.PLAN3[1:]]
     holm = sorted([min(1, 2 * min(ps)), max(min(1, 2 * min(ps)), max(ps))])   # Holm over the two secondary rows
     assert all(f"(Holm {h:.3f})" in table for h in holm) and table.count("(Holm") == 4
+    assert "SD of the four primary tail-5 deltas is 0.0065, not above 0.011: the primary is analysed at n = 4" in table
+    c1, c2 = 0.0125, 0.0125 + 0.04                        # comparison 1's and 2's means: the closure 1 - c1 / c2
+    assert f"closure: {1 - c1 / c2:.0%} of MHAR's gain" in table
     assert study.third_study({}) == ""
+
+
+def write_study_runs(folder, values):
+    """Hand-made 350M logs: {name: tail-5 target}, 21 evals each, falling to the value."""
+    for name, v in values.items():
+        with open(folder / f"350m_{name}.log.jsonl", "w") as f:
+            for step in range(0, 2001, 100):
+                f.write(json.dumps({"step": step, "val_loss": v + (2000 - step) / 1e5}) + "\n")
+
+
+def test_study_plan_analyses_exactly_the_planned_seeds(tmp_path):
+    """report.py's third study uses the plan's seeds alone: 0-3 for every comparison, seeds 4-5 of the primary pair only
+    when the SD of its four tail-5 deltas is above EXTEND_SD (then n = 6 against t(5)); a comparison missing a planned
+    run is pending, with the runs it waits for; runs of any other seed are left out by name; no closure until
+    comparison 2 puts MHAR ahead. The extension's simulated false-positive rate stays near 5% at a small spread."""
+    study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
+    gaps = [0.01, 0.04, -0.01, 0.02, 0.03, 0.0]   # primary deltas: seeds 0-3 have SD 0.021, above 0.011
+    runs = {f"mhar_s{sd}": 3.5 for sd in range(4)}
+    runs.update({f"attnres_s{sd}_x0.125": 3.5 + gaps[sd] for sd in range(4)})
+    runs.update({f"attnres_s{sd}": 3.5 for sd in range(3)} | {"mhar_s7": 3.4, "attnres_s7_x0.125": 3.3})
+    write_study_runs(tmp_path, runs)
+    table = study.third_study(study.runs(str(tmp_path)))
+    assert "SD of the four primary tail-5 deltas is 0.0208, above 0.011: seeds 4-5 of the pair are run" in table
+    assert "attnres_x0.125 - mhar: pending, 4 planned run(s) missing: 350m_attnres_x0.125_s4 350m_mhar_s4" in table
+    assert "attnres - mhar: pending, 1 planned run(s) missing: 350m_attnres_s3" in table
+    assert "left out, not in the plan's seeds: 350m_attnres_x0.125_s7 350m_mhar_s7" in table
+    assert table.count("| pending |") == 3 and "closure" not in table
+    write_study_runs(tmp_path, {"mhar_s4": 3.5, "mhar_s5": 3.5, "attnres_s4_x0.125": 3.53, "attnres_s5_x0.125": 3.5,
+                                "attnres_s3": 3.45})
+    table = study.third_study(study.runs(str(tmp_path)))
+    assert "attnres_x0.125 - mhar | tail-5 | 0,1,2,3,4,5 |" in table and "(2.571)" in table
+    assert "| attnres - mhar | last-11 (described) | 0,1,2,3 |" in table and "left out" in table
+    assert "closure: not defined: comparison 2" in table   # the plain single head is not behind MHAR here
+    fp, extended = study.simulate_extension(0.006, runs=20000)
+    assert 0.04 < fp < 0.06 and extended < 0.1
 
 
 def test_temperature_study_report_pairs_seeds(tmp_path):
