@@ -48,13 +48,14 @@ import torch
 import torch.distributed as dist
 
 import bench_routing
+import configurator
 import graphs
 import routing_kernel as rk
 import train
 from bench_routing import check_options, header, pick, time_chain, write_json
+from common import run_script
 from metrics import mfu
 from model import GPT, GPTConfig, route_reference
-from prepare_data import run_script
 
 # a scale: its config files (applied in order) or the shape itself. 124m: paper Table 9's width control, d768 at the
 # 100M recipe's microbatch (8 x 2048; the paper trained it at sequence 2048, global batch 64)
@@ -79,7 +80,7 @@ def scale_spec(scale):
     spec = SCALES[scale]
     if not isinstance(spec, tuple):
         return dict(spec, global_batch=2 * spec["micro_batch"])
-    cfg = train.parse_args([os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in spec])
+    cfg = configurator.parse_args([os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in spec])
     keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "block_size", "micro_batch")
     return dict({k: getattr(cfg, k) for k in keys}, global_batch=cfg.batch_tokens // cfg.block_size)
 

@@ -57,7 +57,7 @@ def check_options(prog, args, rules):
         if not (math.isfinite(value) and ok(value)):
             sys.exit(f"{prog}: error: --{name}={value} must be {words}")
     try:
-        from prepare_data import check_device
+        from common import check_device
         check_device(args.device)
     except ValueError as e:
         sys.exit(f"{prog}: error: {e}")

@@ -17,6 +17,7 @@ import atexit
 import errno
 import filecmp
 import json
+import math
 import mmap
 import os
 import random
@@ -27,13 +28,16 @@ import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import asdict, fields
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from prepare_data import pid_alive
+from common import LockHeld, release_lock, take_lock
+from configurator import MODEL_KEYS, RESUMABLE, Config, horizon
+from model import GPT, GPTConfig
 
 
 class CheckpointWriteError(RuntimeError):
@@ -371,55 +375,131 @@ def trim_log(path, step, say):
         say(f"{path}: {len(later)} records after step {step} (the stopped run's, redone now) moved to {side}")
 
 
+# ---- what a run starts from: scratch, a checkpoint to resume, or a converted model (train.py's resume policy) ----------
+
+def start_point(cfg, meta, identity, master):
+    """(ckpt, init, model_cfg, model_source) of a train.py run with options cfg on data of this meta.json and identity
+    (data_identity): the checkpoint to resume, or a convert.py checkpoint to start from, and the model's config. A
+    ValueError refuses anything that would overwrite a checkpoint or resume a different run (or data)."""
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    if cfg.init_from == "resume":
+        ckpt = load_latest(ckpt_path, master)
+        if ckpt.get("train_config") is None:   # convert.py's: weights and architecture, no training state
+            raise ValueError(f"{ckpt_path} is a converted model (convert.py), not a run to continue: train from it with "
+                 f"--init_from={cfg.out_dir} --out_dir=<a new folder>")
+        old = {**asdict(Config()), **ckpt["train_config"]}   # an option newer than the checkpoint had its default
+        skip = RESUMABLE | (set(MODEL_KEYS) if ckpt.get("model_source", "config") != "config" else set())
+        diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in skip and old.get(k) != v]
+        old_horizon = old["lr_decay_steps"] if old["lr_decay_steps"] > 0 else old["max_steps"]
+        if old_horizon != horizon(cfg):
+            diff.append(f"decay horizon (lr_decay_steps, -1 = max_steps): {old_horizon} -> {horizon(cfg)}; "
+                        f"pass --lr_decay_steps={old_horizon} to keep the old schedule")
+        identity_old = ckpt.get("data", {}).get("identity")
+        for name, old_v, new_v in (() if identity_old else (   # a checkpoint without an identity: tokenizer and count only
+                ("tokenizer", ckpt["meta"].get("tokenizer_id"), meta["tokenizer_id"]),
+                ("train_tokens", ckpt["meta"]["train_tokens"], meta["train_tokens"]))):
+            if old_v != new_v:
+                diff.append(f"data {name}: {old_v!r} -> {new_v!r}")
+        quiet = print if master else (lambda line: None)
+        diff += [f"data {c}" for c in data_changes(identity_old, identity, cfg.data_dir, quiet)]
+        if diff:
+            raise ValueError("cannot resume, the config differs from the checkpoint's:\n  " + "\n  ".join(diff)
+                 + "\nuse the checkpoint's values, or a new out_dir with --init_from=scratch")
+        refuse_ignored_architecture(cfg, ckpt["model_config"], ckpt_path)
+        return ckpt, None, ckpt["model_config"], ckpt.get("model_source", "config")
+    for path in (ckpt_path, previous_checkpoint(ckpt_path)):
+        if os.path.exists(path):
+            raise ValueError(f"{path} already exists; " + (
+                f"it is a converted model: train from it with --init_from={cfg.out_dir} --out_dir=<a new folder>"
+                if converted(path) else "continue it with --init_from=resume or choose another --out_dir")
+                + " (nothing is overwritten)")
+    if master and os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):   # a run that died before its first checkpoint
+        kept = os.path.join(cfg.out_dir, f"log.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        os.replace(os.path.join(cfg.out_dir, "log.jsonl"), kept)
+        print(f"moved the log of an earlier run without a checkpoint to {kept}")
+    if cfg.init_from == "scratch":
+        vocab = meta.get("model_vocab_size") or math.ceil(meta["vocab_size"] / 128) * 128   # (a Hub model's own size)
+        return None, None, {**{k: getattr(cfg, k) for k in MODEL_KEYS}, "vocab_size": vocab}, "config"
+    path = os.path.join(cfg.init_from, "ckpt.pt") if os.path.isdir(cfg.init_from) else cfg.init_from
+    if not os.path.isfile(path):   # a convert.py checkpoint: its architecture, its weights
+        raise ValueError(f"init_from={cfg.init_from!r} is not scratch, resume, or the out_dir of convert.py")
+    init = read_checkpoint(path)
+    refuse_ignored_architecture(cfg, init["model_config"], path)
+    if init.get("tokenizer_id") is not None and meta["tokenizer_id"] != init["tokenizer_id"]:
+        raise ValueError(f"{cfg.data_dir} was tokenized with {meta['tokenizer']!r} but the model in {path} uses "
+             f"{init['tokenizer']!r}: prepare the data with --tokenizer set to the model's tokenizer (its tokenizer.json)")
+    if meta["vocab_size"] > init["model_config"]["vocab_size"]:
+        raise ValueError(f"the data's vocabulary ({meta['vocab_size']}) exceeds the model's ({init['model_config']['vocab_size']})")
+    return None, init, init["model_config"], os.path.abspath(path)
+
+
+def converted(path):
+    """Is the checkpoint at path convert.py's (no training state)? A look at its keys, not a check of its content."""
+    try:
+        return read_checkpoint(path, verify=False).get("train_config") is None
+    except ValueError:
+        return False
+
+
+def refuse_ignored_architecture(cfg, model_config, path):
+    """A checkpoint's architecture is the model's: explicit options that differ from it would be ignored, so refuse
+    (block_size, the training sequence length, and routing_impl apply)."""
+    model_config = {**{f.name: f.default for f in fields(GPTConfig)}, **model_config}   # a field newer than the file
+    keys = sorted(k for k in getattr(cfg, "explicit", ()) if k in MODEL_KEYS and k not in ("routing_impl", "block_size")
+                  and model_config[k] != getattr(cfg, k))
+    if keys:
+        raise ValueError(f"the architecture comes from {path}; these options differ from it and would be ignored: "
+             + ", ".join(f"--{k}={getattr(cfg, k)!r} (checkpoint: {model_config[k]!r})" for k in keys)
+             + ". Drop them (--block_size and --routing_impl may differ)")
+
+
+# ---- a model from its checkpoint (sample.py, eval.py, export.py; nanochat's checkpoint_manager.build_model) ---------
+
+def load_model(path_or_out_dir, device="cpu", ckpt=None):
+    """The model of a train.py checkpoint (a ckpt.pt file, or the out_dir holding one), checked by content
+    (read_checkpoint), in fp32 on `device`; ckpt: that file already read. model.checkpoint_info: its step, tokenizer,
+    training config and folder (where a tokenizer.json lives)."""
+    path = os.path.join(path_or_out_dir, "ckpt.pt") if os.path.isdir(path_or_out_dir) else path_or_out_dir
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: pass a ckpt.pt file or the out_dir of a train.py run")
+    ckpt = read_checkpoint(path) if ckpt is None else ckpt
+    model = GPT.from_state(GPTConfig.from_dict(ckpt["model_config"]), ckpt["model"]).float()
+    model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
+    model.checkpoint_info["dir"] = os.path.dirname(os.path.abspath(path))
+    return model.to(device)
+
+
 # ---- one run per out_dir ----------------------------------------------------------------------------------------------
 
 def lock_out_dir(out_dir, say=print):
-    """out_dir/train.lock names this process (pid, host) until it exits. A lock whose process is gone (same host) is
-    taken over with one line; a live one, or one from another host, raises OutDirLocked. A run that ends having
-    written nothing leaves no empty out_dir behind."""
+    """out_dir/train.lock names this process (common.take_lock: pid, host, since) until it exits. A lock whose process
+    is gone (same host) is taken over with one line; a live one, or one from another host, raises OutDirLocked. A run
+    that ends having written nothing leaves no empty out_dir behind."""
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    path, me = os.path.join(out_dir, "train.lock"), {"pid": os.getpid(), "host": socket.gethostname(),
-                                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                other = json.load(open(path))
-                pid, host, since = int(other["pid"]), other["host"], other.get("since", "?")
-            except (OSError, ValueError, KeyError, TypeError):
-                other = None   # unreadable: a lock being written this instant, or a broken one
-            if other is None:   # a lock being written this instant, or a broken one: wait, then take a broken one over
-                time.sleep(0.2)
-                if os.path.exists(path) and time.time() - os.path.getmtime(path) > 5:
-                    say(f"train.py: taking over {path}, which cannot be read (not a lock a run of this code wrote, or "
-                        "one cut short)")
-                    os.remove(path)
-                continue
-            if host != me["host"]:
-                raise OutDirLocked(f"{out_dir} is locked by a run on host {host} (pid {pid}, since {since}). If that "
-                                   f"run has ended, delete {path}; else choose another --out_dir")
-            if pid_alive(pid):
-                raise OutDirLocked(f"{out_dir} is in use by a running train.py (pid {pid}, since {since}); wait for "
-                                   "it, stop it, or choose another --out_dir")
-            say(f"train.py: taking over {path} from pid {pid} (since {since}), which is no longer running")
-            os.remove(path)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        atexit.register(unlock_out_dir, path, me["pid"], created)
-        return path
-    raise OutDirLocked(f"could not take {path}; delete it if no run uses {out_dir}")
-
-
-def unlock_out_dir(path, pid, created):
+    path = os.path.join(out_dir, "train.lock")
     try:
-        if json.load(open(path))["pid"] == pid:
-            os.remove(path)
+        replaced = take_lock(path, "train.py")
+    except LockHeld as e:
+        pid, host, since = e.holder["pid"], e.holder["host"], e.holder.get("since", "?")
+        if host != socket.gethostname():
+            raise OutDirLocked(f"{out_dir} is locked by a run on host {host} (pid {pid}, since {since}). If that "
+                               f"run has ended, delete {path}; else choose another --out_dir") from None
+        raise OutDirLocked(f"{out_dir} is in use by a running {e.holder.get('by', 'train.py')} (pid {pid}, since "
+                           f"{since}); wait for it, stop it, or choose another --out_dir") from None
+    if replaced is not None:
+        say(f"train.py: taking over {path} from " + (f"pid {replaced['pid']} (since {replaced.get('since', '?')}), "
+            "which is no longer running" if replaced else "a file that is not a lock this code wrote"))
+    atexit.register(unlock_out_dir, path, created)
+    return path
+
+
+def unlock_out_dir(path, created):
+    release_lock(path)
+    try:
         if created and not os.listdir(os.path.dirname(path)):
             os.rmdir(os.path.dirname(path))
-    except (OSError, ValueError, KeyError):
+    except OSError:
         pass
 
 

@@ -25,7 +25,8 @@ import torch
 
 from checkpoint import verify_checkpoint
 from model import GPT, GPTConfig
-from prepare_data import check_device, load_tokenizer, run_script, tokenizer_id
+from common import check_device, run_script
+from tokenizer import load_tokenizer, tokenizer_id
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 # Hugging Face tensor names -> model.py names ({i} = layer)

@@ -44,9 +44,10 @@ if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing i
 import torch
 import torch.nn.functional as F
 
-from checkpoint import read_log
-from model import GPT
-from prepare_data import TokenData, check_device, check_files, checkpoint_tokenizer, load_tokenizer, run_script
+from checkpoint import load_model as checkpoint_model, read_log
+from common import check_device, run_script
+from prepare_data import TokenData, check_files
+from tokenizer import checkpoint_tokenizer, load_tokenizer
 
 TASKS = ("wikitext2", "lambada", "hellaswag")
 LOCAL = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "lambada": "lambada/lambada_test.jsonl",
@@ -201,7 +202,7 @@ EVALS = {"wikitext2": eval_wikitext2, "lambada": eval_lambada, "hellaswag": eval
 def load_model(out_dir, device, tokenizer=None):
     """The checkpoint's model (eval mode) and tokenizer (`tokenizer` overrides the one it records); the tokenizer's
     name is model.checkpoint_info["tokenizer_used"]."""
-    model = GPT.from_checkpoint(out_dir, device=device)
+    model = checkpoint_model(out_dir, device=device)
     model.eval()
     enc, model.checkpoint_info["tokenizer_used"] = checkpoint_tokenizer(model.checkpoint_info, model.cfg.vocab_size,
                                                                         tokenizer)

@@ -17,11 +17,14 @@ files, or the checkpoint's tokenizer.json). Written into a temporary folder, che
 transformers, where installed, against this repository's logits), then moved into place: a failure writes nothing.
 """
 import argparse
+import ast
+import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 
@@ -31,12 +34,10 @@ if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing i
 import torch
 
 from convert import NAMES
-from model import GPT
-from prepare_data import check_device, run_script
+from checkpoint import load_model
+from common import check_device, run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("model.py", "checkpoint.py", "generation.py", "graphs.py", "routing_config.py", "routing_call.py",
-           "routing_kernel.py", "routing_block.py")   # model.py and every module of this repo it may import
 SHARD_BYTES = 5 * 10**9
 GPT2_FILES = ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
               "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe")
@@ -50,7 +51,7 @@ def load(path):
         raise ValueError(f"--out_dir={path}: no checkpoint there (pass a train.py or convert.py out_dir, or a ckpt.pt)")
     from checkpoint import read_checkpoint
     ckpt = read_checkpoint(path)   # checked by content
-    model = GPT.from_checkpoint(path, ckpt=ckpt)
+    model = load_model(path, ckpt=ckpt)
     model.eval()
     return model, ckpt
 
@@ -78,7 +79,7 @@ def tokenizer_files(ckpt, ckpt_dir, out, length):
                          "Hugging Face file here")
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
-    from prepare_data import HFTokenizer
+    from tokenizer import HFTokenizer
     eos = next((t for t in HFTokenizer.EOT_NAMES if tok.token_to_id(t) is not None), None)
     if eos is None:
         raise ValueError(f"the tokenizer has none of the end-of-text tokens {HFTokenizer.EOT_NAMES}")
@@ -166,12 +167,12 @@ def baseline_export(model, length, dtype):
 
 def remote_export(model, length, dtype, out):
     """(config.json dict, state dict): modeling_mhar.py's model, with model.py and its modules copied into out."""
-    cfg = model.cfg
-    for name in SOURCES:   # each module of this repo imported as a sibling in the package transformers makes
-        with open(os.path.join(HERE, name)) as f:
+    cfg, modules = model.cfg, model_modules()
+    for name in modules:   # each module of this repo imported as a sibling in the package transformers makes
+        with open(os.path.join(HERE, name + ".py")) as f:
             text = f.read()
-        with open(os.path.join(out, name), "w") as f:
-            f.write(package_relative(text))
+        with open(os.path.join(out, name + ".py"), "w") as f:
+            f.write(package_relative(text, modules))
     with open(os.path.join(out, "modeling_mhar.py"), "w") as f:
         f.write(MODELING)
     state = {"model." + k: v.to(dtype) for k, v in model.state_dict().items()
@@ -185,32 +186,69 @@ def remote_export(model, length, dtype, out):
     return config, state
 
 
-MODULES = "|".join(os.path.splitext(s)[0] for s in SOURCES)
+def model_modules():
+    """model.py and every module of this repository it imports, directly or through another, at the top or inside a
+    function: what an exported folder must hold, read from the import statements themselves (a list kept by hand goes
+    stale the day a module gains an import)."""
+    own = {f[:-3] for f in os.listdir(HERE) if f.endswith(".py")}
+    found, todo = set(), ["model"]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        with open(os.path.join(HERE, name + ".py")) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                todo += [a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in own]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module.split(".")[0] in own:
+                todo.append(node.module.split(".")[0])
+    return sorted(found)
 
 
-def package_relative(text):
-    """A module's imports of this repository's modules as package-relative ones ("from checkpoint import x" ->
-    "from .checkpoint import x", "import routing_kernel" -> "from . import routing_kernel"): the modules live in one
-    package in transformers' cache, whose name the code cannot know."""
-    text = re.sub(rf"^(\s*)from ({MODULES}) import ", r"\1from .\2 import ", text, flags=re.M)
-    return re.sub(rf"^(\s*)import ({MODULES})$", r"\1from . import \2", text, flags=re.M)
+def package_relative(text, modules):
+    """A module's imports of the given modules of this repository as package-relative ones ("from checkpoint import
+    x" -> "from .checkpoint import x", "import routing_kernel as rk" -> "from . import routing_kernel as rk"): the
+    modules live in one package in transformers' cache, whose name the code cannot know."""
+    names = "|".join(modules)
+    text = re.sub(rf"^(\s*)from ({names}) import ", r"\1from .\2 import ", text, flags=re.M)
+    return re.sub(rf"^(\s*)import ({names})( as \w+)?(\s*(#.*)?)$", r"\1from . import \2\3\4", text, flags=re.M)
 
 
 # ---- the check and the command ----------------------------------------------------------------------------------------
 
+# loads an exported folder as whoever downloads it does: transformers alone, no repository on the path
+LOAD_ELSEWHERE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+folder, work, device, remote = sys.argv[1:5]
+hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote == "1", dtype=torch.float32)
+with torch.no_grad():
+    torch.save(hf.to(device).eval()(torch.load(work + "/idx.pt").to(device)).logits.float().cpu(), work + "/logits.pt")
+"""
+
+
 def check(folder, model, remote, device, n_tokens=32):
-    """Largest |logit difference| between the exported folder as transformers loads it and this repo's model, fp32,
-    on one random batch; None when transformers is not installed."""
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
+    """Largest |logit difference| between the exported folder, loaded by transformers in a fresh `python -I` process
+    in another working directory (where none of this repository can be imported), and this repo's model, fp32, on one
+    random batch; None when transformers is not installed. A folder that does not load there raises ValueError."""
+    if importlib.util.find_spec("transformers") is None:
         return None
-    hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote, dtype=torch.float32).to(device).eval()
     idx = torch.randint(0, model.cfg.vocab_size, (2, min(n_tokens, model.cfg.block_size)),
-                        generator=torch.Generator().manual_seed(0)).to(device)
+                        generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory() as work:
+        torch.save(idx, os.path.join(work, "idx.pt"))
+        r = subprocess.run([sys.executable, "-I", "-c", LOAD_ELSEWHERE, os.path.abspath(folder), work, device,
+                            str(int(remote))], cwd=work, capture_output=True, text=True)
+        if r.returncode:
+            last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise ValueError(f"the exported folder does not load in a process outside this repository ({last}); "
+                             "nothing written")
+        theirs = torch.load(os.path.join(work, "logits.pt"))
     with torch.no_grad():
-        ours, theirs = model.to(device)(idx)[0], hf(idx).logits
-    return (ours.float() - theirs.float()).abs().max().item()
+        ours = model.to(device)(idx.to(device))[0]
+    return (ours.float().cpu() - theirs).abs().max().item()
 
 
 def main(argv=None):

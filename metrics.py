@@ -70,22 +70,23 @@ def routing_summary(stats):
 
 def val_bytes_per_token(data_dir, meta, n_targets, log=print):
     """Bytes per target token of the fixed validation set (the tokens at positions 1 .. n_targets of val.bin, what
-    the evals predict), from the data folder's token_bytes.bin (prepare_data.token_byte_table: a token's UTF-8 bytes,
+    the evals predict), from the data folder's token_bytes.bin (tokenizer.token_byte_table: a token's UTF-8 bytes,
     0 for special tokens such as the end-of-text separator); a folder prepared without it gets one, measured from its
     tokenizer now. None, said in one line, where the tokenizer cannot be loaded."""
-    import prepare_data
+    import tokenizer
+    from common import write_atomic
     path = os.path.join(data_dir, "token_bytes.bin")
     if os.path.isfile(path):
         table = np.fromfile(path, dtype=np.uint16)
     else:
         try:
-            table = prepare_data.token_byte_table(prepare_data.load_tokenizer(meta["tokenizer"]))
+            table = tokenizer.token_byte_table(tokenizer.load_tokenizer(meta["tokenizer"]))
         except Exception as e:
             log(f"val_bpb: n/a ({data_dir} has no token_bytes.bin and its tokenizer {meta['tokenizer']!r} cannot be "
                 f"loaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); prepare the data again to get it")
             return None
         try:   # measured once: later runs read it
-            prepare_data.write_atomic(path, table.tobytes())
+            write_atomic(path, table.tobytes())
         except OSError:
             pass
     tokens = np.memmap(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"], mode="r")[1:n_targets + 1]

@@ -9,11 +9,11 @@ H = 1 is attention residuals (Kimi, arXiv 2603.15031; paper Eq. 2, Appendix B); 
 
 In the paper's order: GPTConfig -> the blocks (RMSNorm, RoPE, Attention, MLP) -> the routing (route_reference, Route,
 the depth histories: the new idea) -> HyperConnection (the comparison) -> GPT (forward for every mode, optimizer,
-MFU, checkpoint loading). Generation's loop and its KV cache live in generation.py.
+FLOPs). Generation's loop and its KV cache live in generation.py; a model is built from a checkpoint by checkpoint.py
+(load_model): this file knows no files on disk.
 """
 import functools
 import math
-import os
 import sys
 from dataclasses import dataclass, fields
 
@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import read_checkpoint
 from generation import generate
 
 RESIDUAL_MODES = ("baseline", "hyper", "attnres", "mhar", "delta")
@@ -649,17 +648,4 @@ class GPT(nn.Module):
             model.lm_head.weight = model.wte.weight
         model.reset_buffers(device)
         return model
-
-    @classmethod
-    def from_checkpoint(cls, path_or_out_dir, device="cpu", ckpt=None):
-        """The model of a train.py checkpoint (a ckpt.pt file, or the out_dir holding one), checked by content
-        (checkpoint.read_checkpoint); ckpt: that file already read."""
-        path = os.path.join(path_or_out_dir, "ckpt.pt") if os.path.isdir(path_or_out_dir) else path_or_out_dir
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no checkpoint at {path}: pass a ckpt.pt file or the out_dir of a train.py run")
-        ckpt = read_checkpoint(path) if ckpt is None else ckpt
-        model = cls.from_state(GPTConfig.from_dict(ckpt["model_config"]), ckpt["model"]).float()
-        model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
-        model.checkpoint_info["dir"] = os.path.dirname(os.path.abspath(path))   # a tokenizer.json lives beside it
-        return model.to(device)
 

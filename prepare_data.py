@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import time
 from collections import deque
@@ -38,170 +37,11 @@ from multiprocessing import Pool
 
 import numpy as np
 
-TOKENIZERS = ("gpt2", "cl100k_base", "o200k_base")
+from common import LockHeld, release_lock, take_lock, write_atomic
+from tokenizer import HFTokenizer, TOKENIZERS, hub_tokenizer, is_hub_name, load_tokenizer, token_byte_table, tokenizer_id
+
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz", ".txt", ".parquet")
 HUB_DATASET, HUB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
-
-
-class HFTokenizer:
-    """A Hugging Face tokenizer.json (e.g. of a converted Llama or Qwen3 checkpoint) behind tiktoken's interface; its
-    end-of-text token the first of EOT_NAMES it has (Qwen3: <|endoftext|>, Llama 3: <|end_of_text|>), or `eot`."""
-    EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-
-    def __init__(self, path, eot=None):
-        try:
-            from tokenizers import Tokenizer   # only needed for tokenizer.json files
-        except ImportError as e:
-            raise RuntimeError(f"reading {path} needs `pip install tokenizers`") from e
-        self.path = path
-        try:
-            self.tok = Tokenizer.from_file(path)
-        except Exception as e:   # not JSON, or JSON that is not a tokenizer
-            raise ValueError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]})") from None
-        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
-        names = (eot,) if eot else self.EOT_NAMES
-        ids = [self.tok.token_to_id(t) for t in names]
-        if all(i is None for i in ids):
-            raise ValueError(f"{path}: none of the end-of-text tokens {names} is in the vocabulary"
-                             + ("; name one it has with --eot_token" if not eot else ""))
-        self.eot_token = next(i for i in ids if i is not None)
-
-    def encode_ordinary(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def encode(self, text, allowed_special=()):
-        return self.encode_ordinary(text)
-
-    def decode(self, ids):
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-
-def load_tokenizer(name, base_dir=None, eot=None):
-    """A tiktoken encoding by name, or a Hugging Face tokenizer.json by path (relative paths are taken
-    from base_dir, e.g. a checkpoint's folder), with an actionable error when tiktoken's files cannot be fetched."""
-    if name.endswith(".json"):
-        path = name if os.path.isabs(name) or base_dir is None else os.path.join(base_dir, name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file {path} not found")
-        return HFTokenizer(path, eot)
-    import tiktoken
-    if name not in TOKENIZERS:
-        raise ValueError(f"tokenizer={name!r} is not one of {', '.join(TOKENIZERS)}, a path to a tokenizer.json, or a "
-                         "Hugging Face model name (e.g. Qwen/Qwen3-0.6B: prepare_data.py fetches its tokenizer.json)")
-    try:
-        return tiktoken.get_encoding(name)
-    except Exception as e:  # tiktoken downloads its BPE files on first use; offline that fails here
-        raise RuntimeError(
-            f"could not load the tiktoken encoding {name!r} ({type(e).__name__}: {e}). tiktoken downloads it "
-            "once from openaipublic.blob.core.windows.net: connect to the internet, or set TIKTOKEN_CACHE_DIR "
-            "to a folder that holds its cached files (e.g. ../shared/data/tiktoken_cache)") from e
-
-
-GPT2_VOCABS = (50257, 50304)   # GPT-2's vocabulary, and train.py's padding of it to a multiple of 128
-
-
-def check_device(device):
-    """The scripts' --device, checked before anything loads: a ValueError naming the value and the fix."""
-    import torch
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise ValueError(f"--device={device!r} is not one of cpu, cuda, cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device={device} but CUDA is not available; use --device=cpu")
-    if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
-        raise ValueError(f"--device={device} but this machine has {torch.cuda.device_count()} CUDA device(s): "
-                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-
-
-def checkpoint_tokenizer(info, vocab_size, override=None):
-    """(encoder, name) for a checkpoint (model.checkpoint_info): `override` (--tokenizer) when given, else the
-    tokenizer it records. One that records none is read as GPT-2 only when its vocabulary is GPT-2's; any other is
-    refused with the fix (a model is never scored or sampled through another model's tokenizer)."""
-    name = override or info.get("tokenizer")
-    if name is None:
-        if vocab_size not in GPT2_VOCABS:
-            raise ValueError(f"the checkpoint in {info['dir']} records no tokenizer and its vocabulary ({vocab_size}) "
-                             "is not GPT-2's: pass --tokenizer= with the model's tokenizer.json (or a tiktoken name)")
-        name = "gpt2"
-    enc = load_tokenizer(name, base_dir=info["dir"])
-    if enc.n_vocab > vocab_size:
-        raise ValueError(f"tokenizer {name!r} has {enc.n_vocab} tokens, more than the model's vocabulary "
-                         f"({vocab_size}): not this model's tokenizer; pass its own with --tokenizer=")
-    return enc, name
-
-
-def tokenizer_id(name):
-    """What identifies a tokenizer across machines: the tiktoken name, or the sha1 of the tokenizer.json."""
-    if not name.endswith(".json"):
-        return name
-    import hashlib
-    with open(name, "rb") as f:
-        return "sha1:" + hashlib.sha1(f.read()).hexdigest()
-
-
-def is_hub_name(name):
-    """A Hugging Face model name (owner/model), as opposed to a tiktoken encoding or a local tokenizer.json."""
-    return "/" in name and not name.endswith(".json") and not os.path.exists(name) and name.count("/") == 1
-
-
-def hub_tokenizer(name):
-    """(local path of the tokenizer.json of Hub model `name`, the model's vocabulary size or None) through
-    huggingface_hub: its cache, else a download; offline, a RuntimeError naming the fix."""
-    try:
-        from huggingface_hub import hf_hub_download
-    except ImportError:
-        raise RuntimeError(f"--tokenizer={name} names a Hugging Face model: pip install huggingface_hub, or pass a "
-                           "local tokenizer.json") from None
-    try:
-        path = hf_hub_download(name, "tokenizer.json")
-    except Exception as e:   # offline, no such model, or a gated one: one line
-        raise RuntimeError(f"--tokenizer={name}: could not fetch its tokenizer.json from the Hugging Face Hub "
-                           f"({type(e).__name__}); offline, download it where the Hub is reachable and pass "
-                           "--tokenizer=path/to/tokenizer.json") from None
-    try:   # the model's own (padded) vocabulary, e.g. 151,936 for Qwen3: the paper trains at it
-        with open(hf_hub_download(name, "config.json")) as f:
-            vocab = json.load(f).get("vocab_size")
-    except Exception:
-        vocab = None
-    return path, vocab
-
-
-def token_byte_table(enc):
-    """The UTF-8 bytes each token id stands for, 0 for special tokens (the end-of-text separator among them), as a
-    uint16 array over the vocabulary: bits per byte divides a loss by these (nanochat's evaluate_bpb counts so)."""
-    table = np.zeros(enc.n_vocab, dtype=np.uint16)
-    if isinstance(enc, HFTokenizer):
-        tok = enc.tok
-        special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-        byte_level = json.loads(tok.to_str()).get("decoder", {}) or {}
-        byte_level = byte_level.get("type") == "ByteLevel"
-        if byte_level:   # GPT-2's byte <-> character map, inverted: a token's characters are its bytes
-            chars = [c for c in range(ord("!"), ord("~") + 1)] + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-            decode = {chr(c): 1 for c in chars}
-            decode.update({chr(256 + n): 1 for n in range(256 - len(chars))})
-        for i in range(enc.n_vocab):
-            if i in special:
-                continue
-            if byte_level:
-                piece = tok.id_to_token(i)
-                table[i] = sum(decode.get(ch, len(ch.encode())) for ch in piece) if piece is not None else 0
-            else:   # e.g. SentencePiece-style: its text (a lone byte-fallback piece counts its replacement character)
-                table[i] = len(tok.decode([i]).encode())
-        return table
-    special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
-    for i in range(enc.n_vocab):
-        if i not in special:
-            try:
-                table[i] = len(enc.decode_single_token_bytes(i))
-            except KeyError:   # an id the encoding leaves unused
-                pass
-    return table
-
-
-def write_atomic(path, data):
-    """Bytes (or text) to path through a temp file and a rename: a reader sees the old file or the new one."""
-    with open(path + ".tmp", "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
 
 
 def token_dtype(vocab_size):
@@ -289,17 +129,6 @@ def hub_documents(text_field="text"):
                 yield row[text_field]
     except (OSError, ConnectionError, TimeoutError) as e:   # requests' and the Hub client's errors derive from these
         raise RuntimeError(offline.format(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")) from None
-
-
-def run_script(main, name, note=""):
-    """A script's entry point: Ctrl-C ends it with one line (what it leaves behind: `note`) and exit status 130, no
-    traceback. (Each script exits quietly on a Ctrl-C while torch is still loading: nothing is written by then.)"""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        main()
-    except KeyboardInterrupt:
-        print(f"{name}: stopped by Ctrl-C{note}", file=sys.stderr)
-        sys.exit(130)
 
 
 _enc = None
@@ -549,7 +378,13 @@ def staging(out_dir):
     for a signal)."""
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    lock = take_lock(out_dir)
+    lock = os.path.join(out_dir, "prepare.lock")
+    try:
+        if take_lock(lock, "prepare_data.py") is not None:
+            print(f"prepare_data.py: took over {lock}: the prepare that held it is gone")
+    except LockHeld as e:
+        raise FileExistsError(f"{out_dir} is being prepared by another prepare_data.py (pid {e.holder['pid']}): wait "
+                              "for it to finish, or pick another --out_dir") from None
     stage = os.path.join(out_dir, ".incomplete")
     _ACTIVE.clear()
     _ACTIVE.update(stage=stage, lock=lock, out_dir=out_dir, created=created)
@@ -563,7 +398,7 @@ def staging(out_dir):
             for name in names:
                 os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
             os.rmdir(stage)
-            os.remove(lock)
+            release_lock(lock)
             _ACTIVE.clear()
             _ACTIVE["done"] = out_dir
         finally:
@@ -577,8 +412,7 @@ def _discard():
     """Remove the prepare in progress: its staging folder, its lock, out_dir if it made it and it is empty."""
     if "stage" in _ACTIVE:
         shutil.rmtree(_ACTIVE["stage"], ignore_errors=True)
-        if os.path.exists(_ACTIVE["lock"]):
-            os.remove(_ACTIVE["lock"])
+        release_lock(_ACTIVE["lock"])
         if _ACTIVE["created"] and not os.listdir(_ACTIVE["out_dir"]):
             os.rmdir(_ACTIVE["out_dir"])
         _ACTIVE.clear()
@@ -598,49 +432,6 @@ def _stop(signum, frame):
         "the partial files were removed and the folder holds what it held before" if partial else
         f"{done} was complete before it" if done else "nothing was written"), file=sys.stderr, flush=True)
     os._exit(130 if signum == signal.SIGINT else 143)
-
-
-def lock_holder(out_dir):
-    """The pid of the prepare_data.py that holds out_dir/prepare.lock (alive, or on another host, where that cannot be
-    known), else None."""
-    try:
-        with open(os.path.join(out_dir, "prepare.lock")) as f:
-            pid, host = f.read().split()
-        return int(pid) if host != socket.gethostname() or pid_alive(int(pid)) else None
-    except (OSError, ValueError):   # no lock, or a lock that is not one
-        return None
-
-
-def pid_alive(pid):
-    """Is process pid running on this machine? (Another user's counts: signalling it is refused, not failed.)"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def take_lock(out_dir):
-    """out_dir/prepare.lock, hard-linked into place whole (two prepares started together cannot both get it); a lock
-    left by a process that is gone is replaced."""
-    path, mine = os.path.join(out_dir, "prepare.lock"), os.path.join(out_dir, f".prepare.lock.{os.getpid()}")
-    write_atomic(mine, f"{os.getpid()} {socket.gethostname()}")
-    try:
-        for _ in range(2):
-            try:
-                os.link(mine, path)
-                return path
-            except FileExistsError:
-                holder = lock_holder(out_dir)
-                if holder is not None:
-                    raise FileExistsError(f"{out_dir} is being prepared by another prepare_data.py (pid {holder}): "
-                                          "wait for it to finish, or pick another --out_dir") from None
-                os.remove(path)   # stale: its process is gone
-        raise FileExistsError(f"could not take {path}: other prepare_data.py runs keep taking it; try again")
-    finally:
-        os.remove(mine)
 
 
 def main(argv=None):

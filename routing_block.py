@@ -38,7 +38,7 @@ if triton is not None:
     import triton.language as tl
 
     # a [BLOCK_M, heads, columns] tile in one or two column parts, as the chain's gathers hold it
-    from routing_call import _dot2, _heads_part, _load, _rounded, _softmax_update, _zeros
+    from routing_call import _dot2, _heads_part, _load, _logit, _logit_grad, _rounded, _softmax_update, _zeros
 
     @triton.jit
     def _tiles(t, M, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, D_A: tl.constexpr,
@@ -71,7 +71,7 @@ if triton is not None:
     @triton.jit
     def _mix(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, SPLIT: tl.constexpr):
         """One source into the online softmax of every head: running max, denominator and mix ([BLOCK_M, BH, part])."""
-        m_i, l_i, scale, p = _softmax_update(m_i, l_i, r[:, None] * _dot2(s_a, w_a, s_b, w_b, SPLIT))
+        m_i, l_i, scale, p = _softmax_update(m_i, l_i, _logit(r[:, None], _dot2(s_a, w_a, s_b, w_b, SPLIT)))
         acc_a = acc_a * scale[:, :, None] + p[:, :, None] * s_a
         if SPLIT:
             acc_b = acc_b * scale[:, :, None] + p[:, :, None] * s_b
@@ -128,7 +128,7 @@ if triton is not None:
         """Source `slot` of a site (both parts, fp32), its RMS factor, and per head its logit, alpha and da."""
         s_a, s_b = _load(X, slot * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
         r = tl.load(R + slot * M64 + rows64, mask=rmask, other=0.0)
-        logit = r[:, None] * _dot2(s_a, w_a, s_b, w_b, SPLIT)
+        logit = _logit(r[:, None], _dot2(s_a, w_a, s_b, w_b, SPLIT))
         return s_a, s_b, r, logit, tl.exp(logit - lse), _dot2(g_a, s_a, g_b, s_b, SPLIT)
 
     @triton.jit
@@ -169,9 +169,9 @@ if triton is not None:
                 slot = n + (last - n) * (n == count - 1)
                 s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b,
                                                             mask_b, w_a, w_b, g_a, g_b, lse, DM, SPLIT)
-                dlogit = alpha * (da - c)
-                rdl = (r[:, None] * dlogit)[:, :, None]
-                kr = (r * r * tl.sum(dlogit * logit, axis=1) * inv_dm)[:, None, None]
+                d_dot, d_rms = _logit_grad(alpha * (da - c), r[:, None], logit)
+                rdl = d_dot[:, :, None]
+                kr = (r * r * tl.sum(d_rms, axis=1) * inv_dm)[:, None, None]
                 _add_grad(DB, GO, n * M64 * DM, alpha[:, :, None] * g_a + rdl * w_a - kr * s_a, off_a, mask_a, ACCUM,
                           n == count - 1)
                 dw_a += tl.sum(rdl * s_a, axis=0)[None, :, :]

@@ -70,6 +70,23 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
         s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
         return s, tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
 
+    # -- the routing math, once. Every kernel (here, routing_kernel.py, routing_block.py) makes a pair's logit with
+    # _logit, steps its online softmax with _softmax_update and carries the logit's gradient to the query and the source
+    # with _logit_grad: a change to the logit is made here and in model.route_reference (README: "Changing the routing")
+
+    @triton.jit
+    def _logit(r, dot):
+        """A pair's routing logit from its source's RMS factor r and the head's dot product dot = <w[h], s[h]> (w = q g,
+        the key gain folded into the query): r <w, s>, no temperature (paper Eq. 2). Any shapes that broadcast."""
+        return r * dot
+
+    @triton.jit
+    def _logit_grad(dlogit, r, logit):
+        """The logit's gradient dlogit carried to _logit's inputs: (dlogit d logit / d dot, dlogit r d logit / dr). The
+        first is what dw gets times s and ds times w; the second, summed over heads (K), gives ds's RMS term -(r^2 / d)
+        K s (d r / d s = -(r^3 / d) s). For r <w, s>: (dlogit r, dlogit logit)."""
+        return dlogit * r, dlogit * logit
+
     @triton.jit
     def _softmax_update(m_i, l_i, logit):
         """New running max, denominator, the factor that rescales the old mix, and the new source's weight."""
@@ -133,7 +150,7 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
     @triton.jit
     def _online_softmax_step(m_i, l_i, acc, s, r, w):
         """Add source s (tile, fp32) with RMS factor r to the running max m_i, denominator l_i and mix acc."""
-        m_i, l_i, scale, p = _softmax_update(m_i, l_i, r * tl.sum(s * w[None, :], axis=1))
+        m_i, l_i, scale, p = _softmax_update(m_i, l_i, _logit(r, tl.sum(s * w[None, :], axis=1)))
         return m_i, l_i, acc * scale[:, None] + p[:, None] * s
 
     @triton.jit
@@ -161,11 +178,14 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
     @triton.jit
     def _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG, off, rmask):
         """One source of the backward site pass: accumulate c, P, Q; store da and the logit."""
-        logit = r * tl.sum(s * w[None, :], axis=1)
+        logit = _logit(r, tl.sum(s * w[None, :], axis=1))
         alpha, da = tl.exp(logit - lse), tl.sum(g_up * s, axis=1)
         tl.store(DA + off, da, mask=rmask)
         tl.store(LG + off, logit, mask=rmask)
-        return c + alpha * da, acc_p + (alpha * da * r)[:, None] * s, acc_q + (alpha * r)[:, None] * s
+        # dlogit = alpha da - alpha c, and c is known only after the last source: both parts' terms, each linear in it
+        p, _ = _logit_grad(alpha * da, r, logit)
+        q, _ = _logit_grad(alpha, r, logit)
+        return c + alpha * da, acc_p + p[:, None] * s, acc_q + q[:, None] * s
 
     @triton.jit
     def _call_bwd_site(
@@ -196,14 +216,15 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
     @triton.jit
     def _call_source_grad(s, r, g_up, w, n, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm,
                           H: tl.constexpr):
-        """ds of one source: alpha G + r dlogit w - (r^2 / d) K s, K = sum_h dlogit logit (all heads)."""
+        """ds of one source: alpha G + r dlogit w - (r^2 / d) K s, K = sum_h dlogit logit (all heads; _logit_grad)."""
         off = ((n * H + heads[:, None]) * M).to(tl.int64) + rows64[None, :]
         lg = tl.load(LG + off, mask=hmask, other=0.0)
         alpha = tl.exp(lg - lse_all)
         dlogit = alpha * (tl.load(DA + off, mask=hmask, other=0.0) - c_all)
-        k, a_h, dl_h = tl.sum(dlogit * lg, axis=0), tl.sum(tl.where(own, alpha, 0.0), axis=0), \
-            tl.sum(tl.where(own, dlogit, 0.0), axis=0)
-        return a_h[:, None] * g_up + (r * dl_h)[:, None] * w[None, :] - (r * r * k * inv_dm)[:, None] * s
+        d_dot, d_rms = _logit_grad(dlogit, r[None, :], lg)
+        k, a_h, dd_h = tl.sum(d_rms, axis=0), tl.sum(tl.where(own, alpha, 0.0), axis=0), \
+            tl.sum(tl.where(own, d_dot, 0.0), axis=0)
+        return a_h[:, None] * g_up + dd_h[:, None] * w[None, :] - (r * r * k * inv_dm)[:, None] * s
 
     @triton.jit
     def _call_bwd_sources(

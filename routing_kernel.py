@@ -58,8 +58,8 @@ def available(device):
 
 
 if triton is not None:
-    from routing_call import (_dot2, _head_w, _heads_part, _load, _part, _rounded, _rows, _softmax_update, _source,
-                              _zeros)
+    from routing_call import (_dot2, _head_w, _heads_part, _load, _logit, _logit_grad, _part, _rounded, _rows,
+                              _softmax_update, _source, _zeros)
 
     # ---- the forward: one launch a site, a program a (token block, head) ---------------------------------------------
 
@@ -76,7 +76,7 @@ if triton is not None:
     def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, LG, pair, h, M, rows64, rmask, H: tl.constexpr,
                   SPLIT: tl.constexpr, STORE_LOGITS: tl.constexpr):
         """_online_softmax_step over one or two column parts; stores the logit r <w, s> as pair `pair` if STORE_LOGITS."""
-        logit = r * _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT)
+        logit = _logit(r, _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT))
         if STORE_LOGITS:
             tl.store(LG + (pair * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
         m_i, l_i, scale, p = _softmax_update(m_i, l_i, logit)
@@ -233,15 +233,15 @@ if triton is not None:
         if LOGITS_STORED:
             logit = tl.load(LG + lrow * H * M64 + hoff, mask=hmask, other=0.0)
         else:
-            logit = r[:, None] * _dot2(s_a, w_a, s_b, w_b, SPLIT)
+            logit = _logit(r[:, None], _dot2(s_a, w_a, s_b, w_b, SPLIT))
         alpha = tl.exp(logit - lse)
         dlogit = alpha * (_dot2(g_a, s_a, g_b, s_b, SPLIT) - c)
-        rdl = dlogit * r[:, None]
+        rdl, d_rms = _logit_grad(dlogit, r[:, None], logit)
         tl.store(DLR + row * H * M64 + hoff, rdl, mask=hmask)
         acc_a = acc_a + alpha[:, :, None] * g_a + rdl[:, :, None] * w_a
         if SPLIT:
             acc_b = acc_b + alpha[:, :, None] * g_b + rdl[:, :, None] * w_b
-        return acc_a, acc_b, k + tl.sum(dlogit * logit, axis=1)
+        return acc_a, acc_b, k + tl.sum(d_rms, axis=1)
 
     @triton.jit
     def _store_ds(DS, acc, s, r, k, inv_dm, off, mask):

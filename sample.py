@@ -14,8 +14,9 @@ if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing i
 
 import torch
 
-from model import GPT
-from prepare_data import check_device, checkpoint_tokenizer, load_tokenizer, run_script
+from checkpoint import load_model
+from common import check_device, run_script
+from tokenizer import checkpoint_tokenizer, load_tokenizer
 
 
 def check_args(args):
@@ -58,7 +59,7 @@ def main(argv=None):
     try:
         start = check_args(args)   # every option, before the model loads
         torch.manual_seed(args.seed)
-        model = GPT.from_checkpoint(args.out_dir, device=args.device)
+        model = load_model(args.out_dir, device=args.device)
         enc, name = checkpoint_tokenizer(model.checkpoint_info, model.cfg.vocab_size, args.tokenizer)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"sample.py: error: {e}")

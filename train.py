@@ -5,8 +5,8 @@ Train a GPT with any residual mode (baseline | hyper | attnres | mhar | delta) o
   torchrun --standalone --nproc_per_node=8 train.py config/train_350m.py --residual=mhar
   python train.py -h                                               # every option with its default
 
-Options: the model's (model.GPTConfig) and training's (TrainConfig below), then config files in order (plain Python
-assignments), then --key=value. The global batch is given in tokens; gradient accumulation is derived, so 1 and N
+Options (configurator.py): the model's (model.GPTConfig) and training's (TrainConfig), then config files in order (plain
+Python assignments), then --key=value. The global batch is given in tokens; gradient accumulation is derived, so 1 and N
 processes run the same optimisation. Recipe (paper section 3.1, Appendix I): AdamW 0.9 / 0.95, weight decay 0.1 on
 every parameter, clip 1.0, linear warmup then cosine to 0.1x, a fixed validation set, the tail-mean of the last 11 evals.
 
@@ -14,24 +14,18 @@ Stages, in the order main() runs them: parse_args -> setup_runtime (processes, d
 against meta.json) -> resolve_start (the out_dir lock; scratch / resume / converted checkpoint) -> build_model, restore
 -> the loop: run_microbatches (graphed or eager), optimizer_step (average, clip, AdamW), EMA, StepLog (metrics.py: the
 lines, log.jsonl, val_bpb, routing statistics, the optional tracker); evaluate and save_checkpoint every eval_interval.
-What a run keeps in out_dir (checkpoints, log, lock, stops) is checkpoint.py's; CUDA graphs and the gradient average
-are graphs.py's.
+What a run keeps in out_dir (checkpoints, log, lock, stops) and what it starts from (the resume policy) are
+checkpoint.py's; CUDA graphs and the gradient average are graphs.py's.
 """
-import ast
-import difflib
 import functools
-import inspect
 import json
 import math
 import os
 import platform
-import re
 import signal
 import sys
-import time
-import typing
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from dataclasses import asdict, dataclass
 
 if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing is written yet)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -39,173 +33,14 @@ if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing i
 import torch
 import torch.distributed as dist
 
-from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, data_changes, data_identity, git_revision,
-                        is_dtensor, keep_tokenizer, load_latest, lock_out_dir, previous_checkpoint, read_checkpoint,
-                        restore, save_checkpoint)
+from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, data_identity, git_revision, is_dtensor,
+                        keep_tokenizer, lock_out_dir, restore, save_checkpoint, start_point)
+from common import lock_holder, run_script
+from configurator import MODEL_KEYS, horizon, parse_args, unused_options
 from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync_grads
 from metrics import StepLog, Tracker, routing_statistics, val_bytes_per_token
 from model import GPT, GPTConfig
-from prepare_data import TokenData, check_files, lock_holder, run_script
-
-
-@dataclass
-class TrainConfig:
-    # data and output
-    data_dir: str = "data/fineweb_edu"  # prepare_data.py output: train.bin, val.bin, meta.json
-    out_dir: str = "out"                # ckpt.pt (latest checkpoint) and log.jsonl
-    init_from: str = "scratch"          # scratch | resume (continue out_dir/ckpt.pt) | the out_dir of convert.py
-    # batch (the sequence length is the model's block_size)
-    batch_tokens: int = 131072          # global batch per optimizer step, in tokens (64 x 2048)
-    micro_batch: int = 8                # sequences per forward/backward per process
-    # optimizer and schedule
-    lr: float = 1e-3                    # peak learning rate
-    min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 1000            # linear warmup
-    lr_schedule: str = "cosine"         # decay after warmup, to lr * min_lr_ratio: cosine | linear | 1-sqrt
-    lr_decay_steps: int = -1            # decay horizon; -1 = max_steps (fix it to extend a run later)
-    max_steps: int = 20000              # optimizer steps to train (a resumed run continues up to here)
-    weight_decay: float = 0.1           # AdamW weight decay
-    decay_all: bool = True              # the paper decays every parameter; False: no decay on norms/embeddings/routing
-    beta1: float = 0.9                  # AdamW beta1
-    beta2: float = 0.95                 # AdamW beta2
-    adam_eps: float = 1e-8              # AdamW eps
-    grad_clip: float = 1.0              # global gradient-norm clip (0 = off)
-    routing_lr_scale: float = 1.0       # LR multiplier of the routing queries (delta: every routing parameter, no decay)
-    z_loss: float = 0.0                 # logit z-loss coefficient (the paper's 8B mid-training: 1e-4)
-    ema_decay: float = 0.0              # weight EMA, evaluated and saved beside the weights (0 = off; 8B recipe: 0.999)
-    # evaluation and logging
-    eval_interval: int = 500            # evaluate and checkpoint every this many steps (and at the end)
-    eval_tokens: int = 1048576          # fixed validation set: the first this-many tokens of val.bin
-    log_interval: int = 1               # print/log every this many steps (each print syncs the GPU)
-    keep_every: int = 0                 # also keep out_dir/ckpt-stepN.pt every this many steps, never rotated (0: off)
-    wandb_log: bool = False             # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works)
-    wandb_project: str = "mhar"         # its project
-    wandb_run_name: str = ""            # its run name ("": wandb's own)
-    # system
-    device: str = "auto"                # auto | cpu | cuda | cuda:N (torchrun: one GPU per process)
-    dtype: str = "auto"                 # compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU) | bfloat16 | float32
-    param_dtype: str = "float32"        # float32 master weights | bfloat16 (pure-bf16 model like the paper; less memory)
-    compile: bool = True                # torch.compile each sublayer (and the reference routing)
-    activation_checkpointing: bool = False  # recompute each sublayer in backward: less memory, ~1/3 more compute
-    fsdp: bool = False                  # FSDP2: shard each sublayer over the processes, bf16 compute, fp32 master weights
-    save: bool = True                   # write out_dir/ckpt.pt at every eval and at the end (False: speed runs, only the log)
-    cuda_graph: bool = True             # replay microbatches as CUDA graphs where they apply (CUDA, no FSDP; else says why)
-    grad_sync: str = "after"            # torchrun + CUDA graphs: after (one all-reduce after them) | overlap (under the backward)
-    grad_bucket_mb: float = 25.0        # grad_sync=overlap: gradient bucket size in MB (DDP's default)
-    seed: int = 42                      # fixes initialisation and data order
-
-
-# The model's options are GPTConfig's fields (model.py: one default and one comment each) but vocab_size, which the
-# data sets. Config holds both, flat, so that --n_layer=24 and cfg.n_layer work like any training option.
-MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]
-Config = make_dataclass("Config", [(f.name, f.type, field(default=f.default)) for f in fields(GPTConfig)
-                                   if f.name in MODEL_KEYS], bases=(TrainConfig,))
-# keys that may differ when resuming (everything else must match the checkpoint; lr_decay_steps is compared after
-# resolving -1 to max_steps: the schedule's horizon must match)
-RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
-             "dtype", "compile", "micro_batch", "activation_checkpointing", "routing_impl", "lr_decay_steps", "save",
-             "cuda_graph", "grad_sync", "grad_bucket_mb", "keep_every", "wandb_log", "wandb_project", "wandb_run_name"}
-
-
-# ---- options ---------------------------------------------------------------------------------------------------------
-
-def config_help():
-    """Every option, one line each with its default and comment: GPTConfig's, then TrainConfig's."""
-    def options(cls):
-        body = inspect.getsource(cls).split("\n    def ")[0].splitlines()[2:]   # the field lines
-        return ["  --" + ln.strip().replace(": ", " (", 1).replace(" = ", ") = ", 1) if not ln.strip().startswith("#")
-                else ln for ln in body if not ln.strip().startswith("vocab_size")]
-    return "\n".join(["options (python train.py [config.py ...] [--key=value ...]):", "  # model (model.GPTConfig)",
-                      *options(GPTConfig), "  # training", *options(TrainConfig)])
-
-
-def check_type(key, value):
-    """Return value if it fits Config's annotation for key, else raise a ValueError that names both."""
-    expected = typing.get_type_hints(Config)[key]
-    allowed = typing.get_args(expected) or (expected,)
-    ok = any((t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-             or (t is int and isinstance(value, int) and not isinstance(value, bool))
-             or (t is type(None) and value is None) or (t in (str, bool, dict) and type(value) is t)
-             for t in allowed)
-    if not ok:
-        names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-        raise ValueError(f"{key}={value!r} has type {type(value).__name__}, expected {names}")
-    return float(value) if allowed[0] is float else value
-
-
-def parse_args(argv):
-    """Defaults <- config files <- --key=value overrides, with clear errors for unknown keys and bad types."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__ + "\n" + config_help())
-        sys.exit(0)
-    cfg, known = Config(), {f.name for f in fields(Config)}
-    cfg.explicit = set()   # the keys a config file or the command line set (not a field: asdict leaves it out)
-    for arg in argv:
-        if not arg.startswith("--"):   # a config file: plain Python assignments
-            if not os.path.isfile(arg):
-                raise ValueError(f"config file {arg!r} not found")
-            scope = {}
-            try:
-                exec(compile(open(arg).read(), arg, "exec"), {}, scope)
-            except SyntaxError as e:
-                raise ValueError(f"config file {arg}, line {e.lineno}: {e.msg}: {(e.text or '').strip()!r}") from None
-            except Exception as e:
-                raise ValueError(f"config file {arg}: {type(e).__name__}: {e}") from None
-            items = [(k, v) for k, v in scope.items() if not k.startswith("_") and not inspect.ismodule(v)]
-            source = f"in {arg}"
-        else:
-            if "=" not in arg:
-                raise ValueError(f"{arg!r}: write options as --key=value")
-            key, raw = arg[2:].split("=", 1)
-            try:
-                val = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):   # a bare word is a string (nan and inf: numbers, refused as such)
-                val = float(raw) if raw.lower().lstrip("+-") in ("nan", "inf", "infinity") else raw
-            items, source = [(key, val)], "on the command line"
-        for key, val in items:
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=3)
-                raise ValueError(f"unknown option {key!r} {source}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
-                                 + "; python train.py -h lists every option")
-            setattr(cfg, key, check_type(key, val))
-            cfg.explicit.add(key)
-    for key, allowed in (("dtype", ("auto", "bfloat16", "float32")), ("lr_schedule", ("cosine", "linear", "1-sqrt")),
-                         ("param_dtype", ("float32", "bfloat16")), ("grad_sync", ("after", "overlap"))):
-        if getattr(cfg, key) not in allowed:
-            raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
-    positive = ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr",
-                "grad_bucket_mb", "routing_lr_scale")
-    for rng, ok, keys in (("> 0", lambda v: v > 0, positive),
-                          (">= 0", lambda v: v >= 0, ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps",
-                                                      "keep_every")),
-                          ("in [0, 1] (the decay ends at lr * min_lr_ratio)", lambda v: 0 <= v <= 1, ("min_lr_ratio",)),
-                          ("in [0, 1)", lambda v: 0 <= v < 1, ("beta1", "beta2", "ema_decay")),
-                          ("> 0, or -1 (= max_steps)", lambda v: v > 0 or v == -1, ("lr_decay_steps",))):
-        for key in keys:
-            if not (math.isfinite(getattr(cfg, key)) and ok(getattr(cfg, key))):
-                raise ValueError(f"{key}={getattr(cfg, key)} must be a finite number {rng}")
-    if cfg.keep_every % cfg.eval_interval:
-        raise ValueError(f"keep_every={cfg.keep_every} must be a multiple of eval_interval={cfg.eval_interval} (checkpoints "
-                         f"are written at evals), e.g. --keep_every={max(1, round(cfg.keep_every / cfg.eval_interval)) * cfg.eval_interval}")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
-        raise ValueError(f"device={cfg.device!r} is not one of auto, cpu, cuda, cuda:N")
-    GPTConfig(vocab_size=128, **{k: getattr(cfg, k) for k in MODEL_KEYS})   # model errors now, not after data
-    return cfg
-
-
-# the options only some residual modes read (route_init_std and route_blocks: GPTConfig refuses them elsewhere)
-MODE_OPTIONS = {"route_heads": ("mhar", "delta"), "route_scale": ("attnres", "mhar", "delta"),
-                "routing_impl": ("attnres", "mhar", "delta"), "routing_lr_scale": ("attnres", "mhar", "delta"),
-                "num_blocks": ("delta",), "hc_streams": ("hyper",), "hc_dynamic": ("hyper",)}
-
-
-def unused_options(cfg):
-    """One line per option set to other than its default (in a config file or on the command line) that cfg.residual
-    does not read."""
-    default = Config()
-    return [f"train.py: {key}={getattr(cfg, key)!r} is unused by residual={cfg.residual} (it is for "
-            f"{' / '.join(MODE_OPTIONS[key])}); ignored" for key in sorted(cfg.explicit & MODE_OPTIONS.keys())
-            if cfg.residual not in MODE_OPTIONS[key] and getattr(cfg, key) != getattr(default, key)]
+from prepare_data import TokenData, check_files
 
 
 def fail(msg):
@@ -327,9 +162,9 @@ def load_data(cfg, world, rank=0):
         fail(f"{meta_path} is not prepare_data.py's JSON ({e}); prepare the data again (prepare_data.py --force)")
     if missing:
         fail(f"{meta_path} lacks {', '.join(missing)}: not written by prepare_data.py; prepare the data again")
-    holder = lock_holder(cfg.data_dir)
+    holder = lock_holder(os.path.join(cfg.data_dir, "prepare.lock"))
     if holder is not None:
-        fail(f"{cfg.data_dir} is being written by prepare_data.py (pid {holder}): start once it has finished")
+        fail(f"{cfg.data_dir} is being written by prepare_data.py (pid {holder['pid']}): start once it has finished")
     try:   # sizes and sampled blocks against meta.json, on every start: a few MB read whatever the files' size
         files = check_files(cfg.data_dir, meta)
         train_data = TokenData(os.path.join(cfg.data_dir, "train.bin"), meta["dtype"], cfg.block_size, cfg.seed)
@@ -355,11 +190,6 @@ def load_data(cfg, world, rank=0):
 
 # ---- what the run starts from ----------------------------------------------------------------------------------------
 
-def horizon(cfg):
-    """The step at which the LR schedule's decay ends."""
-    return cfg.lr_decay_steps if cfg.lr_decay_steps > 0 else cfg.max_steps
-
-
 def resolve_start(cfg, data, master):
     """(ckpt, init, mcfg, model_source): out_dir taken for this run (one run per out_dir), then start_point's choice
     and the model's GPTConfig."""
@@ -368,92 +198,11 @@ def resolve_start(cfg, data, master):
             lock_out_dir(cfg.out_dir)   # before anything in out_dir is read or moved
         except OutDirLocked as e:
             fail(e)
-    ckpt, init, model_cfg, model_source = start_point(cfg, data, master)
     try:
+        ckpt, init, model_cfg, model_source = start_point(cfg, data.meta, data.identity, master)
         return ckpt, init, GPTConfig.from_dict({**model_cfg, "routing_impl": cfg.routing_impl}), model_source
     except ValueError as e:
         fail(e)
-
-
-def start_point(cfg, data, master):
-    """(ckpt, init, model_cfg, model_source): the checkpoint to resume, or a convert.py checkpoint to start from, and
-    the model's config; refuses anything that would overwrite a checkpoint or resume a different run (or data)."""
-    ckpt_path, meta = os.path.join(cfg.out_dir, "ckpt.pt"), data.meta
-    if cfg.init_from == "resume":
-        try:
-            ckpt = load_latest(ckpt_path, master)
-        except ValueError as e:
-            fail(e)
-        if ckpt.get("train_config") is None:   # convert.py's: weights and architecture, no training state
-            fail(f"{ckpt_path} is a converted model (convert.py), not a run to continue: train from it with "
-                 f"--init_from={cfg.out_dir} --out_dir=<a new folder>")
-        old = {**asdict(Config()), **ckpt["train_config"]}   # an option newer than the checkpoint had its default
-        skip = RESUMABLE | (set(MODEL_KEYS) if ckpt.get("model_source", "config") != "config" else set())
-        diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in skip and old.get(k) != v]
-        old_horizon = old["lr_decay_steps"] if old["lr_decay_steps"] > 0 else old["max_steps"]
-        if old_horizon != horizon(cfg):
-            diff.append(f"decay horizon (lr_decay_steps, -1 = max_steps): {old_horizon} -> {horizon(cfg)}; "
-                        f"pass --lr_decay_steps={old_horizon} to keep the old schedule")
-        identity = ckpt.get("data", {}).get("identity")
-        for name, old_v, new_v in (() if identity else (   # a checkpoint without an identity: tokenizer and count only
-                ("tokenizer", ckpt["meta"].get("tokenizer_id"), meta["tokenizer_id"]),
-                ("train_tokens", ckpt["meta"]["train_tokens"], meta["train_tokens"]))):
-            if old_v != new_v:
-                diff.append(f"data {name}: {old_v!r} -> {new_v!r}")
-        quiet = print if master else (lambda line: None)
-        diff += [f"data {c}" for c in data_changes(identity, data.identity, cfg.data_dir, quiet)]
-        if diff:
-            fail("cannot resume, the config differs from the checkpoint's:\n  " + "\n  ".join(diff)
-                 + "\nuse the checkpoint's values, or a new out_dir with --init_from=scratch")
-        refuse_ignored_architecture(cfg, ckpt["model_config"], ckpt_path)
-        return ckpt, None, ckpt["model_config"], ckpt.get("model_source", "config")
-    for path in (ckpt_path, previous_checkpoint(ckpt_path)):
-        if os.path.exists(path):
-            fail(f"{path} already exists; " + (
-                f"it is a converted model: train from it with --init_from={cfg.out_dir} --out_dir=<a new folder>"
-                if converted(path) else "continue it with --init_from=resume or choose another --out_dir")
-                + " (nothing is overwritten)")
-    if master and os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):   # a run that died before its first checkpoint
-        kept = os.path.join(cfg.out_dir, f"log.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-        os.replace(os.path.join(cfg.out_dir, "log.jsonl"), kept)
-        print(f"moved the log of an earlier run without a checkpoint to {kept}")
-    if cfg.init_from == "scratch":
-        vocab = meta.get("model_vocab_size") or math.ceil(meta["vocab_size"] / 128) * 128   # (a Hub model's own size)
-        return None, None, {**{k: getattr(cfg, k) for k in MODEL_KEYS}, "vocab_size": vocab}, "config"
-    path = os.path.join(cfg.init_from, "ckpt.pt") if os.path.isdir(cfg.init_from) else cfg.init_from
-    if not os.path.isfile(path):   # a convert.py checkpoint: its architecture, its weights
-        fail(f"init_from={cfg.init_from!r} is not scratch, resume, or the out_dir of convert.py")
-    try:
-        init = read_checkpoint(path)
-    except ValueError as e:
-        fail(e)
-    refuse_ignored_architecture(cfg, init["model_config"], path)
-    if init.get("tokenizer_id") is not None and meta["tokenizer_id"] != init["tokenizer_id"]:
-        fail(f"{cfg.data_dir} was tokenized with {meta['tokenizer']!r} but the model in {path} uses "
-             f"{init['tokenizer']!r}: prepare the data with --tokenizer set to the model's tokenizer (its tokenizer.json)")
-    if meta["vocab_size"] > init["model_config"]["vocab_size"]:
-        fail(f"the data's vocabulary ({meta['vocab_size']}) exceeds the model's ({init['model_config']['vocab_size']})")
-    return None, init, init["model_config"], os.path.abspath(path)
-
-
-def converted(path):
-    """Is the checkpoint at path convert.py's (no training state)? A look at its keys, not a check of its content."""
-    try:
-        return read_checkpoint(path, verify=False).get("train_config") is None
-    except ValueError:
-        return False
-
-
-def refuse_ignored_architecture(cfg, model_config, path):
-    """A checkpoint's architecture is the model's: explicit options that differ from it would be ignored, so refuse
-    (block_size, the training sequence length, and routing_impl apply)."""
-    model_config = {**{f.name: f.default for f in fields(GPTConfig)}, **model_config}   # a field newer than the file
-    keys = sorted(k for k in getattr(cfg, "explicit", ()) if k in MODEL_KEYS and k not in ("routing_impl", "block_size")
-                  and model_config[k] != getattr(cfg, k))
-    if keys:
-        fail(f"the architecture comes from {path}; these options differ from it and would be ignored: "
-             + ", ".join(f"--{k}={getattr(cfg, k)!r} (checkpoint: {model_config[k]!r})" for k in keys)
-             + ". Drop them (--block_size and --routing_impl may differ)")
 
 
 # ---- model, optimizer and their state --------------------------------------------------------------------------------
@@ -673,7 +422,7 @@ def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
 
 def main(argv):
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv, __doc__)
         Tracker.check(cfg)
     except (ValueError, RuntimeError) as e:
         fail(e)

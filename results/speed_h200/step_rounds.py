@@ -5,7 +5,7 @@ vocabulary, 20 timed steps after 5 warm-up steps, median); even rounds run basel
 reverse, so a drift of the GPU's capped clock over the process favours neither side. A round's ratio is the variant's
 tokens/s over the same round's baseline. Rounds run until the time budget (seconds) is spent.
 
-    python results/gather_backward/step_rounds.py OUT.json [budget_s] [scale]
+    python results/speed_h200/step_rounds.py OUT.json [budget_s] [scale]
 """
 import json
 import os

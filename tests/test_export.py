@@ -1,0 +1,208 @@
+"""
+export.py: a checkpoint as a Hugging Face folder (stock transformers, generate(), lm-evaluation-harness).
+"""
+
+import functools
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpoint
+import convert
+import eval as evaluate
+import export
+from support import HERE, HF_CONFIGS, launch_env, run_train, together, write_hf_checkpoint, write_tiny_tokenizer
+
+
+EXPORTS = {"baseline": ["--residual=baseline"], "attnres": ["--residual=attnres"], "mhar": ["--residual=mhar"],
+           "hyper": ["--residual=hyper"], "mhar_blocks": ["--residual=mhar", "--route_blocks=2"]}
+
+
+def hf_offline_env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, data_dir, monkeypatch_module):
+    """Tiny checkpoints trained 4 steps in each mode (and a delta model converted from a tiny Llama, its routing made
+    live), each exported to a Hugging Face folder with export.py's own check: {name: (checkpoint dir, export dir)}."""
+    for k, v in hf_offline_env().items():
+        monkeypatch_module.setenv(k, v)
+    root = tmp_path_factory.mktemp("export")
+    runs = together(*[functools.partial(run_train, str(root / name), data_dir, *args, "--max_steps=4",
+                                        "--eval_interval=4", "--eval_tokens=512") for name, args in EXPORTS.items()])
+    assert all(r.returncode == 0 for r in runs), [r.stdout[-500:] + r.stderr[-2000:] for r in runs]
+    hf_dir, delta = str(root / "llama"), str(root / "delta")
+    write_hf_checkpoint(hf_dir, HF_CONFIGS["llama"])
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={delta}", "--dtype=float32", "--num_blocks=2", "--route_heads=2",
+                  f"--tokenizer={write_tiny_tokenizer(str(root / 'tokenizer.json'))}"])
+    ckpt = torch.load(os.path.join(delta, "ckpt.pt"), weights_only=False)
+    gen = torch.Generator().manual_seed(0)
+    for name, t in ckpt["model"].items():   # live routing: alpha, queries and null vectors away from their init
+        if name.endswith((".alpha", ".q", ".null")):
+            t.copy_(torch.randn(t.shape, generator=gen) * (0.5 if name.endswith(".alpha") else 1.0))
+    torch.save(ckpt, os.path.join(delta, "ckpt.pt"))
+    out = {}
+    for name in [*EXPORTS, "delta"]:
+        ckpt_dir = delta if name == "delta" else str(root / name)
+        export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={root / ('hf_' + name)}"])
+        out[name] = (ckpt_dir, str(root / ("hf_" + name)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+# an exported folder as whoever downloads it loads it: a fresh `python -I` in another folder, transformers alone
+LOAD_ELSEWHERE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, remote = sys.argv[1], sys.argv[2] == "1"
+hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote, dtype=torch.float32).eval()
+tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=remote)
+prompt = torch.tensor([tok("The castle stood on a hill above the").input_ids])
+with torch.no_grad():
+    logits = hf(torch.load("idx.pt")).logits
+lengths = []
+if remote:   # the lengths the model's forward sees: the prompt, then one token a step (the KV cache)
+    hf.model.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(args[0].size(1)), with_kwargs=True)
+cached = hf.generate(prompt, max_new_tokens=12, do_sample=False)
+uncached = hf.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+torch.save({"type": type(hf).__name__, "logits": logits, "prompt": prompt, "cached": cached, "uncached": uncached,
+            "lengths": lengths[:12]}, "out.pt")
+"""
+
+
+@pytest.mark.parametrize("name", [*EXPORTS, "delta"])
+def test_export_loads_in_transformers(exported, name, tmp_path):
+    """AutoModelForCausalLM loads the folder offline in a `python -I` process whose working directory is elsewhere (no
+    module of this repository importable: the baseline as a stock Qwen3 model without remote code; every other mode
+    through modeling_mhar.py and the modules copied beside it): its logits are this repository's within 1e-5 (fp32),
+    generate() gives the same greedy 12-token continuation as GPT.generate, through model.py's KV cache (one new token
+    a forward after the prompt) and without it."""
+    ckpt_dir, hf_dir = exported[name]
+    remote = name != "baseline"
+    idx = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(1))
+    torch.save(idx, tmp_path / "idx.pt")
+    r = subprocess.run([sys.executable, "-I", "-c", LOAD_ELSEWHERE, hf_dir, str(int(remote))], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600, env=hf_offline_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert got["type"] == ("Qwen3ForCausalLM" if name == "baseline" else "MHARForCausalLM")
+    ours = checkpoint.load_model(ckpt_dir).eval()
+    with torch.no_grad():
+        a = ours(idx)[0]
+    assert (a - got["logits"]).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
+    want = ours.generate(got["prompt"], 12, temperature=0)
+    assert torch.equal(got["cached"], want) and torch.equal(got["uncached"], want), (got, want)
+    if remote:
+        assert got["lengths"] == [got["prompt"].size(1)] + [1] * 11, got["lengths"]
+
+
+def test_export_tokenizer_is_the_checkpoints(exported):
+    """The exported GPT-2 tokenizer (built from tiktoken's cached files) encodes and decodes as tiktoken's gpt2 does,
+    with <|endoftext|> as its end-of-text (and beginning) token; a converted model's tokenizer.json is copied."""
+    import tiktoken
+    from transformers import AutoTokenizer
+    tok, enc = AutoTokenizer.from_pretrained(exported["mhar"][1]), tiktoken.get_encoding("gpt2")
+    for text in ("Hello world", "  leading spaces\nand tabs\t, naïve café 1,234.5!", "日本語のテキスト", "a<|endoftext|>b"):
+        assert tok(text).input_ids == enc.encode(text, allowed_special="all"), text
+        assert tok.decode(enc.encode(text, allowed_special="all")) == text
+    assert tok.eos_token == tok.bos_token == "<|endoftext|>" and tok.eos_token_id == 50256
+    delta_hf = exported["delta"][1]
+    assert open(os.path.join(delta_hf, "tokenizer.json")).read() == \
+        open(os.path.join(exported["delta"][0], "tokenizer.json")).read()
+    assert AutoTokenizer.from_pretrained(delta_hf).eos_token == "<|end_of_text|>"
+
+
+def test_export_of_a_baseline_converts_back(exported, tmp_path):
+    """A baseline export is a Qwen3 folder, so convert.py reads it back: the weights are the original's bitwise, and
+    the converted model (delta routing at alpha = 0) computes the original's logits bitwise."""
+    ckpt_dir, hf_dir = exported["baseline"]
+    out = str(tmp_path / "back")
+    convert.main([f"--hf_dir={hf_dir}", f"--out_dir={out}", "--dtype=float32", "--num_blocks=1"])
+    original, back = checkpoint.load_model(ckpt_dir).eval(), checkpoint.load_model(out).eval()
+    state = back.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in original.state_dict().items())
+    idx = torch.randint(0, 250, (2, 30))
+    with torch.no_grad():
+        assert torch.equal(original(idx)[0], back(idx)[0])
+
+
+def test_export_scores_in_lm_eval_as_eval_py(exported, eval_root):
+    """`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` on the local task files gives eval.py
+    --harness's LAMBADA accuracy and perplexity and WikiText perplexities on the same checkpoint."""
+    pytest.importorskip("lm_eval", reason="pip install lm-eval (requirements.txt)")
+    ckpt_dir, hf_dir = exported["mhar"]
+    evaluate.main([f"--out_dir={ckpt_dir}", "--harness", f"--data_root={eval_root}", "--tasks=lambada_openai,wikitext",
+                   "--limit=3", "--batch_size=4"])
+    ours = json.load(open(os.path.join(ckpt_dir, "eval_harness.limit3.json")))
+    out = os.path.join(os.path.dirname(hf_dir), "lm_eval_out")
+    r = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                        f"pretrained={hf_dir},trust_remote_code=True,dtype=float32", "--tasks",
+                        "lambada_openai_local,wikitext_local", "--include_path", os.path.join(HERE, "harness_tasks"),
+                        "--metadata", json.dumps({"data_root": eval_root}), "--limit", "3", "--device", "cpu",
+                        "--batch_size", "4", "--output_path", out], capture_output=True, text=True, timeout=600,
+                       env=launch_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    theirs = json.load(open(glob.glob(os.path.join(out, "**", "results_*.json"), recursive=True)[0]))["results"]
+    lam, wiki = theirs["lambada_openai_local"], theirs["wikitext_local"]
+    assert lam["acc,none"] == ours["lambada_openai_local"]["acc"]
+    assert lam["perplexity,none"] == pytest.approx(ours["lambada_openai_local"]["perplexity"], rel=1e-5)
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert wiki[f"{metric},none"] == pytest.approx(ours["wikitext_local"][metric], rel=1e-5), metric
+
+
+def test_export_shards_its_weights(exported, tmp_path, monkeypatch):
+    """Weights above the shard size go to several safetensors files with transformers' index (export.py's check then
+    loads them back through it: the logits still match)."""
+    monkeypatch.setattr(export, "SHARD_BYTES", 200_000)
+    out = tmp_path / "sharded"
+    export.main([f"--out_dir={exported['mhar'][0]}", f"--hf_dir={out}"])
+    index = json.load(open(out / "model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and all((out / f).is_file() for f in files) and not (out / "model.safetensors").exists()
+
+
+def test_export_refusals(exported, tmp_path):
+    """Bad input gets one line naming the value and the fix, and nothing is written: a file that is not a checkpoint, a
+    torch file without this repository's weights, a folder without one, an existing export (until --force, which
+    replaces it), the checkpoint's own folder, a tokenizer with no Hugging Face file, an unknown mode."""
+    ckpt_dir, hf_dir = exported["mhar"]
+    junk, foreign = tmp_path / "junk.pt", tmp_path / "foreign.pt"
+    junk.write_bytes(os.urandom(4096))
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    cl100k = tmp_path / "cl100k"
+    cl100k.mkdir()
+    ckpt = torch.load(os.path.join(ckpt_dir, "ckpt.pt"), weights_only=False)
+    torch.save({**ckpt, "tokenizer": "cl100k_base"}, cl100k / "ckpt.pt")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    torch.save({**ckpt, "model_config": {**ckpt["model_config"], "residual": "mystery"}}, odd / "ckpt.pt")
+    target = tmp_path / "new_export"
+    for args, msg in (([f"--out_dir={junk}"], r"is not a torch.save archive"),
+                      ([f"--out_dir={foreign}"], r"is not a checkpoint of this repository"),
+                      ([f"--out_dir={tmp_path}"], r"no checkpoint there"),
+                      ([f"--out_dir={ckpt_dir}", f"--hf_dir={hf_dir}"], r"exists: pick another folder or pass --force"),
+                      ([f"--out_dir={ckpt_dir}", f"--hf_dir={ckpt_dir}", "--force"], r"must not be the checkpoint's own"),
+                      ([f"--out_dir={cl100k}"], r"tokenizer 'cl100k_base': export writes GPT-2's or a tokenizer.json"),
+                      ([f"--out_dir={odd}"], r"residual='mystery' is not one of"),
+                      ([f"--out_dir={ckpt_dir}", "--dtype=float16"], r"invalid choice: 'float16'")):
+        argv = args if any(a.startswith("--hf_dir") for a in args) else [*args, f"--hf_dir={target}"]
+        with pytest.raises(SystemExit) as e:
+            export.main(argv)
+        assert re.search(msg, str(e.value)) or e.value.code == 2, (args, e.value)
+        assert not target.exists() and not glob.glob(str(tmp_path / ".export-*"))
+    target.mkdir()
+    (target / "old.txt").write_text("a previous export")
+    export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={target}", "--force", "--dtype=bfloat16", "--check=False"])
+    assert json.load(open(target / "config.json"))["dtype"] == "bfloat16" and not (target / "old.txt").exists()
