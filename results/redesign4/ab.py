@@ -1,0 +1,109 @@
+# The fourth redesign before and after, in one process on one GPU: the before tree (a folder holding the .py files of
+# the commit before it) against this tree. (1) at every tuned width and two untuned, the chain's output and every
+# gradient bitwise equal, bf16 and fp32, full routing and block routing (n = 8 where it divides); (2) the chain's GPU
+# time (CUDA-graph replay, the better of two readings each, order before, after, after, before) at 12 widths;
+# (3) whether the direct launcher pays where training replays CUDA graphs: bench.py's step, every variant, with the
+# launcher on and off (routing_config.DEFAULT's `direct`), alternating, at the scales named, in R rounds.
+#   python results/redesign4/ab.py BEFORE_DIR OUT.json [--rounds=R] [--skip-chain] [SCALE ...]
+import dataclasses
+import importlib
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.getcwd()
+NAMES = ("bench", "bench_routing", "model", "train", "graphs", "checkpoint", "generation", "prepare_data", "metrics",
+         "routing_call", "routing_config", "routing_kernel", "routing_block", "common", "tokenizer", "configurator")
+
+
+def load(path):
+    """A tree's modules, imported from `path` (each tree keeps its own: its functions see their own globals)."""
+    for name in NAMES:
+        sys.modules.pop(name, None)
+    sys.path.insert(0, path)
+    for name in ("bench", "bench_routing", "routing_block"):
+        importlib.import_module(name)
+    sys.path.remove(path)
+    return {n: sys.modules[n] for n in NAMES if n in sys.modules}
+
+
+def use(tree):   # a tree's lazy imports (model.py's routing files) resolve to its own modules
+    for name in NAMES:
+        sys.modules.pop(name, None)
+    sys.modules.update(tree)
+    return tree
+
+
+before, after = load(os.path.abspath(sys.argv[1])), load(HERE)
+out, scales = sys.argv[2], [a for a in sys.argv[3:] if not a.startswith("--")]
+rounds = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--rounds=")), 1))
+torch.backends.cuda.matmul.allow_tf32 = True
+record = dict(header=use(after)["bench_routing"].header("cuda"), bitwise=[], chain=[], step=[])
+DEPTH = {512: 12, 768: 12, 1024: 24, 1280: 36, 2048: 36}
+
+# (1) bitwise: the same inputs through both trees' chains
+widths = list(after["routing_config"].TUNED_H200) + [(512, 8), (2048, 16)]
+for d, H in ([] if "--skip-bitwise" in sys.argv else widths):
+    for dtype in (torch.bfloat16, torch.float32):
+        for blocks in (None, 8):
+            N = 2 * DEPTH[d] + 1
+            gen = torch.Generator().manual_seed(d + H)
+            src0 = torch.randn(1, 384, d, generator=gen).to("cuda", dtype)
+            qs = [torch.randn(d, generator=gen).cuda() * 0.3 for _ in range(N)]
+            gs = [(1 + 0.2 * torch.randn(d, generator=gen)).cuda() for _ in range(N)]
+            up = torch.randn(1, 384, d, generator=gen).to("cuda", dtype)
+            shift = [torch.randn(1, 384, d, generator=gen).to("cuda", dtype) for _ in range(N)]
+            sub = lambda j, x: torch.tanh(x) + shift[j]
+            got = [use(t)["bench_routing"].chain_grads("fused", src0, qs, gs, sub, up, H, blocks=blocks)
+                   for t in (before, after)]
+            same = [bool(torch.equal(x, y)) for x, y in zip(*got)]
+            record["bitwise"].append(dict(d=d, H=H, dtype=str(dtype), blocks=blocks, N=N, equal=same))
+            print(f"bitwise d={d} H={H} {dtype} blocks={blocks}: out, d_source0, dq, dg equal: {same}", flush=True)
+json.dump(record, open(out, "w"), indent=1)
+
+# (2) chain GPU time at the training microbatches (d, H, B, T)
+SHAPES = [(512, 1, 8, 2048), (512, 2, 8, 2048), (512, 4, 8, 2048), (512, 8, 8, 2048), (512, 16, 8, 2048),
+          (768, 1, 8, 2048), (768, 4, 8, 2048), (1024, 1, 4, 1024), (1024, 8, 4, 1024), (1280, 1, 2, 1024),
+          (1280, 8, 2, 1024), (2048, 16, 2, 1024)]
+for d, H, B, T in ([] if "--skip-chain" in sys.argv else SHAPES):
+    N, res = 2 * DEPTH[d] + 1, {}
+    for k in ("before", "after", "after", "before"):
+        ms, gb = use(before if k == "before" else after)["bench_routing"].time_chain("fused", N, B, T, d, H, "cuda",
+                                                                                       graph=True)
+        res[k], res[k + "_gb"] = min(res.get(k, ms), ms), gb
+    record["chain"].append(dict(d=d, H=H, B=B, T=T, N=N, **res))
+    print(f"chain d={d:4d} H={H:2d} {B}x{T}: before {res['before']:6.2f} ms, after {res['after']:6.2f} ms, "
+          f"after/before {res['after'] / res['before']:.3f}; peak GB {res['before_gb']:.2f} / {res['after_gb']:.2f}",
+          flush=True)
+    json.dump(record, open(out, "w"), indent=1)
+
+# (3) the step with the direct launcher on and off (this tree), each variant against its own round's baseline
+VARIANTS = ("baseline", "mhar_fused", "attnres_fused", "mhar_block8")
+tree = use(after)
+rc, bench = tree["routing_config"], tree["bench"]
+default = rc.DEFAULT
+for i, (r, scale) in enumerate((r, s) for r in range(rounds) for s in scales):
+    for direct in ((True, False) if i % 2 == 0 else (False, True)):
+        rc.DEFAULT = dataclasses.replace(default, direct=direct)   # config_for builds every width's entry on it
+        for variant in VARIANTS:
+            row = bench.bench_one(scale, variant, "cuda", 20, 5, True, bench.PAPER_VOCAB, None, True)
+            record["step"].append(dict(direct=direct, round=r, **row))
+            print(f"step {scale} {variant:14s} direct={direct!s:5s} {row['tok_s']:>10,.0f} tok/s {row['step_ms']:7.2f} ms",
+                  flush=True)
+            json.dump(record, open(out, "w"), indent=1)
+rc.DEFAULT = default
+for scale in scales:
+    for direct in (True, False):
+        ratios = {v: [] for v in VARIANTS[1:]}
+        for r in range(rounds):
+            rows = {x["variant"]: x["tok_s"] for x in record["step"]
+                    if (x["direct"], x["scale"], x["round"]) == (direct, scale, r)}
+            for v in ratios:
+                ratios[v].append(rows[v] / rows["baseline"])
+        print(f"ratio {scale} direct={direct!s:5s} " + ", ".join(
+            f"{v} {sum(x) / len(x):.4f}x (rounds {', '.join(f'{y:.3f}' for y in x)})" for v, x in ratios.items()),
+            flush=True)
+json.dump(record, open(out, "w"), indent=1)
+print("done", flush=True)
