@@ -32,7 +32,6 @@ GPU time (CUDA-graph replay) and eager wall time, GB/s by the design's byte mode
 the launch settings' tuner (--tune-train), the authors' kernel and single-head peers side by side (--authors,
 --peers), delta mode's per-call kernels (--delta). See `python bench.py routing -h`.
 """
-import argparse
 import functools
 import gc
 import os
@@ -52,8 +51,9 @@ import configurator
 import graphs
 import routing_kernel as rk
 import train
-from bench_routing import check_options, header, pick, time_chain, write_json
+from bench_routing import header, time_chain, write_json
 from common import run_script
+from options import Choice, Count, Counts, Device, Flag, Names, Parser, Path, Real
 from metrics import mfu
 from model import GPT, GPTConfig, route_reference
 
@@ -80,7 +80,8 @@ def scale_spec(scale):
     spec = SCALES[scale]
     if not isinstance(spec, tuple):
         return dict(spec, global_batch=2 * spec["micro_batch"])
-    cfg = configurator.parse_args([os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in spec])
+    cfg = configurator.parse_args([os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in spec],
+                                  paths=False)   # (its shapes only: no data needed)
     keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "block_size", "micro_batch")
     return dict({k: getattr(cfg, k) for k in keys}, global_batch=cfg.batch_tokens // cfg.block_size)
 
@@ -238,8 +239,30 @@ def table(rows, scales, variants):
     return "\n".join(lines)
 
 
-STEP_RULES = [("steps", lambda v: v >= 1, "an integer >= 1"), ("warmup", lambda v: v >= 0, "an integer >= 0"),
-              ("vocab", lambda v: v >= 2, "an integer >= 2")]
+def parser():
+    """bench.py's options (the training step), each with its kind and range (options.py)."""
+    p = Parser(prog="bench.py", description=__doc__)
+    p.add_argument("--scales", type=Names(*SCALES), default="100m,350m,1b", help=f"comma-separated subset of "
+                   f"{','.join(SCALES)}")
+    p.add_argument("--variants", type=Names(*VARIANTS), default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    add_step_options(p)
+    p.add_argument("--device", type=Device(), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda | cuda:N | cpu")
+    p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of 3 steps per run")
+    p.add_argument("--output", type=Path("out_file"), default="out/bench.json", help="results JSON")
+    return p
+
+
+def add_step_options(p):
+    """The step's options that bench.py and bench.py ddp share."""
+    p.add_argument("--steps", type=Count(1, 10**6), default=20, help="timed steps per run (the median is reported)")
+    p.add_argument("--warmup", type=Count(0, 10**6), default=5, help="untimed steps first (compilation, autotuning)")
+    p.add_argument("--compile", type=Flag(), default=True, help="torch.compile each sublayer")
+    p.add_argument("--cuda_graph", type=Flag(), default=True,
+                   help="replay forward+backward as CUDA graphs (train.py --cuda_graph); CUDA only")
+    p.add_argument("--vocab", type=Count(2, 2**24), default=PAPER_VOCAB, help="vocabulary of the synthetic tokens "
+                   "(paper: 151,936)")
 
 
 def main(argv=None):
@@ -247,21 +270,11 @@ def main(argv=None):
     modes = {"routing": bench_routing.main, "generate": generate_main, "ddp": ddp_main}   # 2-4: pages of their own
     if argv[:1] and argv[0] in modes:
         return modes[argv[0]](argv[1:])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scales", default="100m,350m,1b", help=f"comma-separated subset of {','.join(SCALES)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per run (the median is reported)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, autotuning)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda | cuda:N | cpu")
-    p.add_argument("--compile", default="True", choices=("True", "False"), help="torch.compile each sublayer")
-    p.add_argument("--vocab", type=int, default=PAPER_VOCAB, help="vocabulary of the synthetic tokens (paper: 151,936)")
-    p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of 3 steps per run")
-    p.add_argument("--cuda_graph", default="True", choices=("True", "False"),
-                   help="replay forward+backward as one CUDA graph (train.py --cuda_graph); CUDA only")
-    p.add_argument("--output", default="out/bench.json", help="results JSON")
-    args = p.parse_args(argv)
-    scales, variants = pick(args.scales, SCALES, "scales"), pick(args.variants, VARIANTS, "variants")
-    check_options("bench.py", args, STEP_RULES)
+    args = parser().parse_args(argv)
+    scales, variants = args.scales, args.variants
+    if args.device == "cpu":
+        print("bench.py: timing on the CPU (the reference routing, every kernel from Python): each run takes minutes; a "
+              "line per run as it ends", flush=True)
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -271,8 +284,8 @@ def main(argv=None):
     for scale in scales:
         for variant in variants:
             try:
-                row = bench_one(scale, variant, args.device, args.steps, args.warmup, args.compile == "True", args.vocab,
-                                traces, args.cuda_graph == "True")
+                row = bench_one(scale, variant, args.device, args.steps, args.warmup, args.compile, args.vocab,
+                                traces, args.cuda_graph)
             except torch.OutOfMemoryError as e:
                 print(f"{scale:5s} {variant:14s} out of memory: {str(e).splitlines()[0]}", flush=True)
                 torch.cuda.empty_cache()
@@ -294,23 +307,24 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # 2. generation: python bench.py generate [--scale=100m] [--device=...]
 
+def generate_parser():
+    """bench.py generate's options, each with its kind and range (options.py)."""
+    p = Parser(prog="bench.py generate", description=generate_main.__doc__)
+    p.add_argument("--scale", type=Choice(*sorted(SCALES)), default="100m")
+    p.add_argument("--device", type=Device(), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prompt", type=Count(1, 2**16), default=512, help="prompt tokens")
+    p.add_argument("--new", type=Count(1, 2**16), default=512, help="generated tokens")
+    p.add_argument("--batch", type=Counts(1, 4096), default="1,16", help="comma-separated batch sizes")
+    p.add_argument("--residual", type=Choice("baseline", "hyper", "attnres", "mhar"), default="mhar")
+    p.add_argument("--output", type=Path("out_file"), default="out/generate_bench.json", help="results JSON")
+    return p
+
+
 def generate_main(argv):
     """Tokens/s of GPT.generate: the KV cache with its CUDA-graphed decode step (the default on CUDA), the cache with
     eager steps, and no cache (random weights, greedy, bf16 autocast on CUDA)."""
-    p = argparse.ArgumentParser(prog="bench.py generate", description=generate_main.__doc__)
-    p.add_argument("--scale", default="100m", choices=sorted(SCALES))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    p.add_argument("--new", type=int, default=512, help="generated tokens")
-    p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
-    p.add_argument("--residual", default="mhar", choices=("baseline", "hyper", "attnres", "mhar"))
-    p.add_argument("--output", default="out/generate_bench.json", help="results JSON")
-    args = p.parse_args(argv)
-    check_options("bench.py generate", args, [])
-    batches = [int(x) for x in args.batch.split(",") if x.strip().isdigit()]
-    if len(batches) != len(args.batch.split(",")) or min(batches + [args.prompt, args.new]) < 1:
-        sys.exit(f"bench.py generate: error: --prompt={args.prompt}, --new={args.new} and --batch={args.batch!r} "
-                 "must be positive integers (--batch: comma-separated)")
+    args = generate_parser().parse_args(argv)
+    batches = args.batch
     kw, _ = scale_config(args.scale, 50304)
     model = GPT(GPTConfig(**{**kw, "residual": args.residual})).to(args.device).eval()
     cuda = args.device.startswith("cuda")
@@ -341,27 +355,28 @@ def generate_main(argv):
 WAYS = ("none", "after", "overlap")
 
 
-def ddp_args(argv):
-    p = argparse.ArgumentParser(prog="bench.py ddp", description=ddp_main.__doc__)
-    p.add_argument("--scales", default="100m,350m,1b", help=f"comma-separated subset of {','.join(SCALES)}")
-    p.add_argument("--variants", default="baseline,mhar_fused", help=f"comma-separated subset of {','.join(VARIANTS)}")
-    p.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated subset of {','.join(WAYS)}")
-    p.add_argument("--accum", type=int, default=0, help="microbatches per step (0: the scale's global batch / N)")
-    p.add_argument("--bucket_mb", type=float, default=25.0, help="overlap: gradient bucket size (train.py --grad_bucket_mb)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per run (the median is reported)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, autotuning, capture)")
-    p.add_argument("--compile", default="True", choices=("True", "False"), help="torch.compile each sublayer")
-    p.add_argument("--cuda_graph", default="True", choices=("True", "False"), help="CUDA-graph microsteps (CUDA only)")
-    p.add_argument("--vocab", type=int, default=PAPER_VOCAB, help="vocabulary of the synthetic tokens (paper: 151,936)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
+def ddp_parser():
+    """bench.py ddp's options, each with its kind and range (options.py)."""
+    p = Parser(prog="bench.py ddp", description=ddp_main.__doc__)
+    p.add_argument("--scales", type=Names(*SCALES), default="100m,350m,1b", help=f"comma-separated subset of "
+                   f"{','.join(SCALES)}")
+    p.add_argument("--variants", type=Names(*VARIANTS), default="baseline,mhar_fused",
+                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--ways", type=Names(*WAYS), default=",".join(WAYS), help=f"comma-separated subset of {','.join(WAYS)}")
+    p.add_argument("--accum", type=Count(0, 2**16), default=0, help="microbatches per step (0: the scale's global "
+                   "batch / N)")
+    p.add_argument("--bucket_mb", type=Real(0, 1e6, lo_open=True), default=25.0,
+                   help="overlap: gradient bucket size (train.py --grad_bucket_mb)")
+    add_step_options(p)
+    p.add_argument("--device", type=Choice("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda: one GPU per process (NCCL); cpu: gloo")
-    p.add_argument("--output", default="out/bench_ddp.json", help="results JSON (rank 0)")
-    args = p.parse_args(argv)
-    for option, known in (("scales", SCALES), ("variants", VARIANTS), ("ways", WAYS)):
-        setattr(args, option, pick(getattr(args, option), known, option, "bench.py ddp"))
-    check_options("bench.py ddp", args, STEP_RULES + [("accum", lambda v: v >= 0, "an integer >= 0 (0: the scale's)"),
-                                                      ("bucket_mb", lambda v: v > 0, "a finite number > 0")])
-    if "overlap" in args.ways and (args.device == "cpu" or args.cuda_graph == "False"):
+    p.add_argument("--output", type=Path("out_file"), default="out/bench_ddp.json", help="results JSON (rank 0)")
+    return p
+
+
+def ddp_args(argv):
+    args = ddp_parser().parse_args(argv)
+    if "overlap" in args.ways and (args.device == "cpu" or not args.cuda_graph):
         print("bench.py ddp: overlap runs in the graphs (train.py's grad_sync_plan); on eager steps it is the "
               "all-reduce after the backward", file=sys.stderr)
     if "RANK" not in os.environ:
@@ -395,8 +410,8 @@ def ddp_main(argv):
                      f"{world} processes x microbatch {spec['micro_batch']}; pass --accum")
         for variant in args.variants:
             for way in args.ways:
-                row = bench_one(scale, variant, device, args.steps, args.warmup, args.compile == "True", args.vocab,
-                                cuda_graph=args.cuda_graph == "True", accum=accum,
+                row = bench_one(scale, variant, device, args.steps, args.warmup, args.compile, args.vocab,
+                                cuda_graph=args.cuda_graph, accum=accum,
                                 grad_sync=None if way == "none" else way, bucket_mb=args.bucket_mb)
                 rows.append(row)
                 say(f"{scale:5s} {variant:14s} {way:8s} {world} x {accum} x {row['micro_batch']} x {row['seq_len']}: "

@@ -12,7 +12,6 @@ installed). See `python bench.py routing -h`.
 Also the chains that bench.py's step table (its routing share) and the tests run: run_chain, chain_step, time_chain,
 chain_grads, check_against_reference; and the results header every benchmark writes.
 """
-import argparse
 import importlib
 import json
 import math
@@ -28,6 +27,7 @@ import routing_config
 import routing_kernel as rk
 import train
 from model import BlockDepthHistory, fused_router, route_reference
+from options import Count, Device, Names, Parser, Path
 
 # (name, L, d, H, B, T): the paper's Table 5 shapes, then each model's training microbatch (Table 1; 124M: Table 9's
 # width control at the 100M microbatch)
@@ -37,31 +37,6 @@ CHAIN_SHAPES = [("100M", 12, 512, 4, 2, 2048), ("350M", 24, 1024, 8, 1, 1024), (
 
 
 # ---- the chains every routing benchmark and test runs ------------------------------------------------------------
-
-def pick(text, known, option, prog="bench.py"):
-    """The comma-separated names in text (the value of --option), each one of `known`, else a one-line error naming
-    the program, the option, the names it does not know and the choices."""
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in known]
-    if bad or not names:
-        what = f"does not know {','.join(bad)}" if bad else "names nothing"
-        sys.exit(f"{prog}: error: --{option}={text} {what}: give one or more of {','.join(known)}, comma-separated")
-    return names
-
-
-def check_options(prog, args, rules):
-    """Each rules entry (option, test, range in words) of args, else a one-line error naming the value and its range;
-    the --device too."""
-    for name, ok, words in rules:
-        value = getattr(args, name)
-        if not (math.isfinite(value) and ok(value)):
-            sys.exit(f"{prog}: error: --{name}={value} must be {words}")
-    try:
-        from common import check_device
-        check_device(args.device)
-    except ValueError as e:
-        sys.exit(f"{prog}: error: {e}")
-
 
 def header(device):
     """The run's git revision, torch and Triton versions and device, for every results file."""
@@ -326,10 +301,11 @@ PEERS = {"fla": ("fla-core", "fla.ops.attnres", "fused_attnres"),
 def load_peers(names):
     """The routing calls of the single-head peers named (comma-separated), from the packages the user installed: this
     repository neither requires nor ships them."""
-    peers, unknown = {}, [name for name in names.split(",") if name not in PEERS]
+    names = names.split(",") if isinstance(names, str) else names
+    peers, unknown = {}, [name for name in names if name not in PEERS]
     if unknown:
-        sys.exit(f"bench.py routing: --peers={names}: unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
-    for name in names.split(","):
+        sys.exit(f"bench.py routing: --peers={','.join(names)}: unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
+    for name in names:
         package, module, call = PEERS[name]
         try:
             peers[name] = getattr(importlib.import_module(module), call)
@@ -382,52 +358,56 @@ def side_by_side(others, device, copy_bw, rounds=3, shapes=CHAIN_SHAPES):
 
 # ---- the command ------------------------------------------------------------------------------------------------------
 
-def parse(argv):
-    p = argparse.ArgumentParser(prog="bench.py routing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda | cpu (a check only)")
-    p.add_argument("--tune-train", nargs="?", const=",".join(routing_config.TUNABLE), default=None, metavar="KERNELS",
+def parser():
+    """bench.py routing's options, each with its kind and range (options.py)."""
+    p = Parser(prog="bench.py routing", description=__doc__)
+    p.add_argument("--device", type=Device(), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda | cuda:N | cpu (a check only)")
+    p.add_argument("--tune-train", nargs="?", type=Names(*routing_config.TUNABLE, *routing_config.BLOCK_TUNABLE),
+                   const=",".join(routing_config.TUNABLE), default=None, metavar="KERNELS",
                    help="tune each width's settings at its training microbatch (comma-separated settings; default: "
                    "the chain's, or with --blocks the block chain's)")
     p.add_argument("--check-large", action="store_true", help="also check 2^21 tokens x d 1024 (64-bit offsets)")
     p.add_argument("--delta", action="store_true", help="time the per-call kernels at an 8B delta model's shape, then exit")
     p.add_argument("--check-only", action="store_true", help="only the correctness checks, then exit")
-    p.add_argument("--peers", metavar="NAMES", help="side by side with single-head peers you installed, e.g. fla,liger "
-                   "(fla-core's fused_attnres, Liger-Kernel's LigerAttnResFunction): ours at H = 1, same measures as "
-                   "--authors; then exit")
-    p.add_argument("--authors", metavar="PATH", help="side by side with the authors' fused kernel (your copy of their "
-                   "mhar_triton.py): eager and CUDA-graph time, memory, fraction of the bandwidth bound; then exit")
-    p.add_argument("--blocks", type=int, default=None, metavar="N", help="block routing in N blocks at every chain "
-                   "shape: its time and profile, and --tune-train of its settings (N must divide every shape's 2L "
+    p.add_argument("--peers", type=Names("fla", "liger"), metavar="NAMES", help="side by side with single-head peers "
+                   "you installed, e.g. fla,liger (fla-core's fused_attnres, Liger-Kernel's LigerAttnResFunction): ours at "
+                   "H = 1, same measures as --authors; then exit")
+    p.add_argument("--authors", type=Path("file", "the authors' mhar_triton.py"), metavar="PATH",
+                   help="side by side with the authors' fused kernel (your copy of their mhar_triton.py): eager and "
+                   "CUDA-graph time, memory, fraction of the bandwidth bound; then exit")
+    p.add_argument("--blocks", type=Count(1, 2048), default=None, metavar="N", help="block routing in N blocks at every "
+                   "chain shape: its time and profile, and --tune-train of its settings (N must divide every shape's 2L "
                    "sublayers)")
-    p.add_argument("--heads", type=int, default=None, metavar="H", help="route every chain shape (checks, timing and "
-                   "tuning) with H heads instead of its own (1: the single head)")
-    p.add_argument("--shapes", metavar="NAMES", default=",".join(s[0] for s in CHAIN_SHAPES),
+    p.add_argument("--heads", type=Count(1, 65536), default=None, metavar="H", help="route every chain shape (checks, "
+                   "timing and tuning) with H heads instead of its own (1: the single head)")
+    p.add_argument("--shapes", type=Names(*(s[0] for s in CHAIN_SHAPES)), metavar="NAMES",
+                   default=",".join(s[0] for s in CHAIN_SHAPES),
                    help="comma-separated chain shapes to time, tune and compare (default: all)")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel at every shape (default: the Table 5 "
                    "shapes only)")
-    p.add_argument("--output", default="out/routing_bench.json", help="results JSON")
-    return p.parse_args(argv)
+    p.add_argument("--output", type=Path("out_file"), default="out/routing_bench.json", help="results JSON")
+    return p
+
+
+def parse(argv):
+    return parser().parse_args(argv)
 
 
 def chosen_shapes(args):
     """The chain shapes asked for (once each, in the order given, --heads applied) and the settings to tune, after
     checking every option against them: a one-line error before anything runs."""
     known = {s[0]: s for s in CHAIN_SHAPES}
-    names = [n.strip() for n in args.shapes.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        sys.exit(f"bench.py routing: --shapes={args.shapes}: unknown shape {', '.join(unknown) or '(none given)'}; "
-                 f"choose from {','.join(known)}")
+    names = args.shapes.split(",") if isinstance(args.shapes, str) else args.shapes   # (Names: a list, checked)
     shapes = [(n, L, d, H if args.heads is None else args.heads, B, T)
               for n, L, d, H, B, T in (known[n] for n in dict.fromkeys(names))]
     allowed = routing_config.BLOCK_TUNABLE if args.blocks else routing_config.TUNABLE
-    kernels = (args.tune_train or "").split(",") if args.tune_train else []
+    kernels = args.tune_train.split(",") if isinstance(args.tune_train, str) else list(args.tune_train or [])
     if args.blocks and args.tune_train == ",".join(routing_config.TUNABLE):   # the default: the block chain's
         kernels = list(allowed)
     if any(k not in allowed for k in kernels):
         unknown = ", ".join(k for k in kernels if k not in allowed) or "(none given)"
-        sys.exit(f"bench.py routing: --tune-train={args.tune_train}: unknown setting {unknown}; choose from "
+        sys.exit(f"bench.py routing: --tune-train={','.join(kernels)}: unknown setting {unknown}; choose from "
                  f"{', '.join(allowed)}")
     if args.blocks is not None and (args.authors or args.peers or args.delta):
         sys.exit("bench.py routing: --blocks times this repo's block chain alone: drop --authors, --peers and --delta "
@@ -482,8 +462,7 @@ def time_shapes(args, shapes, copy_bw, device):
 
 
 def main(argv):
-    args = parse(argv)
-    check_options("bench.py routing", args, [])   # its --device (--blocks and --heads: against the shapes, next)
+    args = parse(argv)   # every option by its rule (--blocks and --heads against the shapes: next)
     shapes, kernels = chosen_shapes(args)
     authors, peers = load_authors(args.authors) if args.authors else None, load_peers(args.peers) if args.peers else None
     device = args.device

@@ -150,16 +150,18 @@ def save_checkpoint(path, model, optimizer, ema, step, extra, cfg, rt):
 
 
 def keep_copy(path, step):
-    """out_dir/ckpt-step{step}.pt, the checkpoint just written under a second name (a hard link: no bytes copied;
-    a copy where the file system has none). One already there is left as it is (a resumed run that saves that step
+    """out_dir/ckpt-step{step}.pt, a copy of the checkpoint just written, checked by content before it lands (a file of
+    its own: damage to ckpt.pt never reaches it). One already there is left as it is (a resumed run that saves that step
     again never replaces a kept file). Returns its path."""
     kept = os.path.join(os.path.dirname(path), f"ckpt-step{step}.pt")
     if not os.path.exists(kept):
         try:
-            os.link(path, kept)
-        except OSError:
             shutil.copyfile(path, kept + ".tmp")
+            verify_checkpoint(kept + ".tmp")
             os.replace(kept + ".tmp", kept)
+        finally:
+            if os.path.exists(kept + ".tmp"):
+                os.remove(kept + ".tmp")
     return kept
 
 
@@ -455,18 +457,59 @@ def refuse_ignored_architecture(cfg, model_config, path):
 
 # ---- a model from its checkpoint (sample.py, eval.py, export.py; nanochat's checkpoint_manager.build_model) ---------
 
-def load_model(path_or_out_dir, device="cpu", ckpt=None):
+def load_model(path_or_out_dir, device="cpu", ckpt=None, ema=False, say=None):
     """The model of a train.py checkpoint (a ckpt.pt file, or the out_dir holding one), checked by content
-    (read_checkpoint), in fp32 on `device`; ckpt: that file already read. model.checkpoint_info: its step, tokenizer,
-    training config and folder (where a tokenizer.json lives)."""
+    (read_checkpoint), in fp32 on `device`; ckpt: that file already read. ema: its EMA weights (train.py --ema_decay)
+    instead of the raw ones; say(line), where given, is told when the checkpoint holds EMA weights not asked for.
+    model.checkpoint_info: its step, tokenizer, training config, folder (where a tokenizer.json lives) and weights."""
     path = os.path.join(path_or_out_dir, "ckpt.pt") if os.path.isdir(path_or_out_dir) else path_or_out_dir
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}: pass a ckpt.pt file or the out_dir of a train.py run")
     ckpt = read_checkpoint(path) if ckpt is None else ckpt
-    model = GPT.from_state(GPTConfig.from_dict(ckpt["model_config"]), ckpt["model"]).float()
+    state = ckpt["model"]
+    if ema:
+        if not ckpt.get("ema"):
+            raise ValueError(f"{path} holds no EMA weights (its run trained without --ema_decay): drop --ema")
+        state = {**state, **ckpt["ema"]}   # the EMA covers the trained parameters; the rest (tied, frozen) as saved
+    elif ckpt.get("ema") and say is not None:
+        say(f"{path} also holds EMA weights (--ema_decay={(ckpt.get('train_config') or {}).get('ema_decay')}): "
+            "these are the raw weights; --ema takes the EMA")
+    model = GPT.from_state(GPTConfig.from_dict(ckpt["model_config"]), state).float()
     model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
-    model.checkpoint_info["dir"] = os.path.dirname(os.path.abspath(path))
+    model.checkpoint_info.update(dir=os.path.dirname(os.path.abspath(path)), weights="ema" if ema else "raw")
     return model.to(device)
+
+
+# ---- the runs in a folder (python train.py --list) ---------------------------------------------------------------
+
+def list_runs(folder):
+    """One row per train.py run in folder (itself, or a subfolder holding log.jsonl or ckpt.pt): (name, step of its
+    checkpoint, residual mode, last logged loss, last val loss, state: running (its lock held), finished (at max_steps),
+    stopped (a checkpoint short of them), no checkpoint, or damaged)."""
+    from common import lock_holder
+    rows = []
+    for name in [""] + sorted(os.listdir(folder)):
+        run = os.path.join(folder, name)
+        if not os.path.isdir(run) or not any(os.path.exists(os.path.join(run, f)) for f in ("log.jsonl", "ckpt.pt")):
+            continue
+        records = read_log(os.path.join(run, "log.jsonl"), say=lambda line: None) \
+            if os.path.exists(os.path.join(run, "log.jsonl")) else []
+        loss = next((r["loss"] for r in reversed(records) if "loss" in r), None)
+        val = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
+        step, mode, state = None, "?", "no checkpoint"
+        if os.path.exists(os.path.join(run, "ckpt.pt")):
+            try:   # the small dicts only: the tensors stay mapped, unread
+                ckpt = torch.load(os.path.join(run, "ckpt.pt"), map_location="cpu", mmap=True, weights_only=False)
+                step, mode = ckpt.get("step"), ckpt["model_config"].get("residual", "?")
+                target = (ckpt.get("train_config") or {}).get("max_steps")
+                state = "converted (convert.py)" if target is None else "finished" if step >= target else \
+                    f"stopped ({step}/{target}: --init_from=resume continues it)"
+            except Exception:
+                state = "damaged checkpoint (resume takes ckpt.prev.pt)"
+        if lock_holder(os.path.join(run, "train.lock")) is not None:
+            state = "running"
+        rows.append((name or ".", step, mode, loss, val, state))
+    return rows
 
 
 # ---- one run per out_dir ----------------------------------------------------------------------------------------------

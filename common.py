@@ -37,10 +37,15 @@ def check_device(device):
 
 
 def write_atomic(path, data):
-    """Bytes (or text) to path through a temp file and a rename: a reader sees the old file or the new one."""
-    with open(path + ".tmp", "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
+    """Bytes (or text) to path through a temp file and a rename: a reader sees the old file or the new one; a failed
+    write (a full disk) leaves neither a partial file nor its temp file."""
+    try:
+        with open(path + ".tmp", "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+    finally:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
 
 
 def pid_alive(pid):

@@ -1,73 +1,97 @@
 """
-train.py's options: every training option with its default and one comment (TrainConfig), the model's (model.GPTConfig,
-but the vocabulary, which the data sets), and how a run's options are read: defaults, then config files in order (plain
-Python assignments), then --key=value, each value checked against its field's type and range; which options each
-residual mode reads. nanoGPT's configurator.py, beside a train.py that is the loop. Raises ValueError, never exits.
+train.py's options: every training option with its kind and range, default and one comment (TrainConfig), the model's
+(model.GPTConfig's fields but the vocabulary, which the data sets; their kinds in MODEL_RULES), and how a run's options
+are read: defaults, then config files in order (plain Python assignments), then --key=value, each value checked by its
+rule (options.py) and refused in one line naming the option, the value and the rule; which options each residual mode
+reads. nanoGPT's configurator.py, beside a train.py that is the loop. Raises ValueError, never exits.
 """
 import ast
 import difflib
 import inspect
-import math
 import os
 import re
-import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 
-from model import GPTConfig
+from model import RESIDUAL_MODES, ROUTING_IMPLS, GPTConfig
+from options import Choice, Count, Device, Either, Flag, Mapping, Maybe, Path, Real, Seed, Text
+
+# kinds several options share; each field below names its kind and range (options.py), then its default and comment
+STEPS, TOKENS = Count(1, 10**9), Count(1, 2**40)   # a billion steps, a trillion tokens: past any run
+UNIT, UNIT_OPEN = Real(0, 1), Real(0, 1, hi_open=True)
+DATA = Path("dir", "prepare_data.py's --out_dir (python prepare_data.py --out_dir=... makes one)", absolute=False)
+START = Either(Choice("scratch", "resume"), Path("any", "convert.py's out_dir or its ckpt.pt", absolute=False))
+
+
+def option(default, kind):
+    """A field of TrainConfig: its default and its kind and range (options.py), which check_option and -h read."""
+    return field(default=default, metadata={"kind": kind})
 
 
 @dataclass
 class TrainConfig:
     # data and output
-    data_dir: str = "data/fineweb_edu"  # prepare_data.py output: train.bin, val.bin, meta.json
-    out_dir: str = "out"                # ckpt.pt (latest checkpoint) and log.jsonl
-    init_from: str = "scratch"          # scratch | resume (continue out_dir/ckpt.pt) | the out_dir of convert.py
+    data_dir: str = option("data/fineweb_edu", DATA)         # prepare_data.py's train.bin, val.bin, meta.json
+    out_dir: str = option("out", Path("out_dir", absolute=False))   # ckpt.pt (latest checkpoint) and log.jsonl
+    init_from: str = option("scratch", START)                # scratch | resume (out_dir/ckpt.pt) | convert.py's out_dir
     # batch (the sequence length is the model's block_size)
-    batch_tokens: int = 131072          # global batch per optimizer step, in tokens (64 x 2048)
-    micro_batch: int = 8                # sequences per forward/backward per process
+    batch_tokens: int = option(131072, TOKENS)               # global batch per optimizer step, in tokens (64 x 2048)
+    micro_batch: int = option(8, Count(1, 2**16))            # sequences per forward/backward per process
     # optimizer and schedule
-    lr: float = 1e-3                    # peak learning rate
-    min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 1000            # linear warmup
-    lr_schedule: str = "cosine"         # decay after warmup, to lr * min_lr_ratio: cosine | linear | 1-sqrt
-    lr_decay_steps: int = -1            # decay horizon; -1 = max_steps (fix it to extend a run later)
-    max_steps: int = 20000              # optimizer steps to train (a resumed run continues up to here)
-    weight_decay: float = 0.1           # AdamW weight decay
-    decay_all: bool = True              # the paper decays every parameter; False: no decay on norms/embeddings/routing
-    beta1: float = 0.9                  # AdamW beta1
-    beta2: float = 0.95                 # AdamW beta2
-    adam_eps: float = 1e-8              # AdamW eps
-    grad_clip: float = 1.0              # global gradient-norm clip (0 = off)
-    routing_lr_scale: float = 1.0       # LR multiplier of the routing queries (delta: every routing parameter, no decay)
-    z_loss: float = 0.0                 # logit z-loss coefficient (the paper's 8B mid-training: 1e-4)
-    ema_decay: float = 0.0              # weight EMA, evaluated and saved beside the weights (0 = off; 8B recipe: 0.999)
+    lr: float = option(1e-3, Real(0, 1e6, lo_open=True))     # peak learning rate
+    min_lr_ratio: float = option(0.1, UNIT)                  # the decay ends at lr * min_lr_ratio
+    warmup_steps: int = option(1000, Count(0, 10**9))        # linear warmup
+    lr_schedule: str = option("cosine", Choice("cosine", "linear", "1-sqrt"))   # the decay after warmup
+    lr_decay_steps: int = option(-1, Either(Choice(-1), STEPS))   # decay horizon; -1: max_steps (fix it to extend)
+    max_steps: int = option(20000, STEPS)                    # optimizer steps (a resumed run continues up to here)
+    weight_decay: float = option(0.1, Real(0, 10))           # AdamW weight decay
+    decay_all: bool = option(True, Flag())                   # decay every parameter (the paper); False: not norms...
+    beta1: float = option(0.9, UNIT_OPEN)                    # AdamW beta1
+    beta2: float = option(0.95, UNIT_OPEN)                   # AdamW beta2
+    adam_eps: float = option(1e-8, Real(0, 1, lo_open=True))   # AdamW eps (0 divides by a zero second moment)
+    grad_clip: float = option(1.0, Real(0, 1e6))             # global gradient-norm clip (0 = off)
+    # LR multiplier of the routing queries (delta: of every routing parameter)
+    routing_lr_scale: float = option(1.0, Real(0, 1e6, lo_open=True))
+    z_loss: float = option(0.0, UNIT)                        # logit z-loss coefficient (the paper's 8B: 1e-4)
+    ema_decay: float = option(0.0, UNIT_OPEN)                # weight EMA, evaluated and saved beside (0: off)
     # evaluation and logging
-    eval_interval: int = 500            # evaluate and checkpoint every this many steps (and at the end)
-    eval_tokens: int = 1048576          # fixed validation set: the first this-many tokens of val.bin
-    log_interval: int = 1               # print/log every this many steps (each print syncs the GPU)
-    keep_every: int = 0                 # also keep out_dir/ckpt-stepN.pt every this many steps, never rotated (0: off)
-    wandb_log: bool = False             # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works)
-    wandb_project: str = "mhar"         # its project
-    wandb_run_name: str = ""            # its run name ("": wandb's own)
+    eval_interval: int = option(500, STEPS)                  # evaluate and checkpoint every this many steps, and last
+    eval_tokens: int = option(1048576, TOKENS)               # fixed validation set: the first this-many of val.bin
+    log_interval: int = option(1, STEPS)                     # print/log every this many steps (each print syncs)
+    keep_every: int = option(0, Count(0, 10**9))             # also keep out_dir/ckpt-stepN.pt this often (0: off)
+    wandb_log: bool = option(False, Flag())                  # also log to Weights & Biases (pip install wandb)
+    wandb_project: str = option("mhar", Text())              # its project
+    wandb_run_name: str = option("", Text(empty=True))       # its run name ("": wandb's own)
     # system
-    device: str = "auto"                # auto | cpu | cuda | cuda:N (torchrun: one GPU per process)
-    dtype: str = "auto"                 # compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU) | bfloat16 | float32
-    param_dtype: str = "float32"        # float32 master weights | bfloat16 (pure-bf16 model like the paper; less memory)
-    compile: bool = True                # torch.compile each sublayer (and the reference routing)
-    activation_checkpointing: bool = False  # recompute each sublayer in backward: less memory, ~1/3 more compute
-    fsdp: bool = False                  # FSDP2: shard each sublayer over the processes, bf16 compute, fp32 master weights
-    save: bool = True                   # write out_dir/ckpt.pt at every eval and at the end (False: speed runs, only the log)
-    cuda_graph: bool = True             # replay microbatches as CUDA graphs where they apply (CUDA, no FSDP; else says why)
-    grad_sync: str = "after"            # torchrun + CUDA graphs: after (one all-reduce after them) | overlap (under the backward)
-    grad_bucket_mb: float = 25.0        # grad_sync=overlap: gradient bucket size in MB (DDP's default)
-    seed: int = 42                      # fixes initialisation and data order
+    device: str = option("auto", Device(auto=True))          # auto | cpu | cuda | cuda:N (torchrun: a GPU a process)
+    # compute: auto (bf16 autocast on CUDA, fp32 on CPU) | bfloat16 | float32
+    dtype: str = option("auto", Choice("auto", "bfloat16", "float32"))
+    # float32 master weights | bfloat16 (a pure-bf16 model, as the paper's: less memory)
+    param_dtype: str = option("float32", Choice("float32", "bfloat16"))
+    compile: bool = option(True, Flag())                     # torch.compile each sublayer (and the reference routing)
+    activation_checkpointing: bool = option(False, Flag())   # recompute each sublayer in backward: less memory
+    fsdp: bool = option(False, Flag())                       # FSDP2: shard each sublayer over the processes
+    save: bool = option(True, Flag())                        # out_dir/ckpt.pt at every eval and at the end
+    cuda_graph: bool = option(True, Flag())                  # replay microbatches as CUDA graphs where they apply
+    # torchrun + CUDA graphs: after (one all-reduce after them) | overlap (under the backward)
+    grad_sync: str = option("after", Choice("after", "overlap"))
+    grad_bucket_mb: float = option(25.0, Real(0, 1e6, lo_open=True))   # grad_sync=overlap: bucket size in MB
+    seed: int = option(42, Seed())                           # fixes initialisation and data order
 
 
-# The model's options are GPTConfig's fields (model.py: one default and one comment each) but vocab_size, which the
-# data sets. Config holds both, flat, so that --n_layer=24 and cfg.n_layer work like any training option.
+# The model's options: GPTConfig's fields (model.py: one default and one comment each) but vocab_size, which the data
+# sets, with the kinds train.py reads them as (what they mean together, GPTConfig's own checks say). Config holds both,
+# flat, so that --n_layer=24 and cfg.n_layer work like any training option.
+MODEL_RULES = dict(
+    block_size=Count(1, 2**20), n_layer=Count(1, 1024), n_head=Count(1, 1024), n_kv_head=Count(1, 1024),
+    n_embd=Count(1, 65536), ffn_hidden=Count(1, 2**20), head_dim=Maybe(Count(2, 4096)), qk_norm=Flag(),
+    rope_theta=Real(0, 1e12, lo_open=True), rope_scaling=Maybe(Mapping()), norm_eps=Real(0, 1, lo_open=True),
+    tie_embeddings=Flag(), residual=Choice(*RESIDUAL_MODES), route_heads=Maybe(Count(1, 65536)),
+    route_scale=Real(0, 1e6, lo_open=True), route_init_std=Real(0, 10), route_blocks=Maybe(Count(1, 2048)),
+    num_blocks=Count(1, 1024), hc_streams=Count(1, 64), hc_dynamic=Flag(), routing_impl=Choice(*ROUTING_IMPLS))
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]
-Config = make_dataclass("Config", [(f.name, f.type, field(default=f.default)) for f in fields(GPTConfig)
+Config = make_dataclass("Config", [(f.name, f.type, option(f.default, MODEL_RULES[f.name])) for f in fields(GPTConfig)
                                    if f.name in MODEL_KEYS], bases=(TrainConfig,))
+RULES = {f.name: f.metadata.get("kind") for f in fields(Config)}   # every option's kind (a test checks each has one)
 # keys that may differ when resuming (everything else must match the checkpoint; lr_decay_steps is compared after
 # resolving -1 to max_steps: the schedule's horizon must match)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
@@ -75,39 +99,53 @@ RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "
              "cuda_graph", "grad_sync", "grad_bucket_mb", "keep_every", "wandb_log", "wandb_project", "wandb_run_name"}
 
 
-# ---- reading them ------------------------------------------------------------------------------------------------------
+# ---- reading them ----------------------------------------------------------------------------------------------------
 
 def config_help():
-    """Every option, one line each with its default and comment: GPTConfig's, then TrainConfig's."""
-    def options(cls):
-        body = inspect.getsource(cls).split("\n    def ")[0].splitlines()[2:]   # the field lines
-        return ["  --" + ln.strip().replace(": ", " (", 1).replace(" = ", ") = ", 1) if not ln.strip().startswith("#")
-                else ln for ln in body if not ln.strip().startswith("vocab_size")]
-    return "\n".join(["options (python train.py [config.py ...] [--key=value ...]):", "  # model (model.GPTConfig)",
-                      *options(GPTConfig), "  # training", *options(TrainConfig)])
+    """Every option, one line each: its rule, default and comment, the model's (GPTConfig) first, then TrainConfig's."""
+    def comments(cls):   # each field's comment: on its line, or the comment line right above it
+        notes, above = {}, None
+        for line in inspect.getsource(cls).splitlines():
+            field_ = re.match(r"^    (\w+): .*?=.*?(?:#\s*(.*))?$", line)
+            if field_ and (field_.group(2) or above):
+                notes[field_.group(1)] = field_.group(2) or above
+            above = line.strip()[1:].strip() if line.strip().startswith("#") else None
+        return notes
+    lines = ["options (python train.py [config.py ...] [--key=value ...]):"]
+    for title, cls, keys in (("the model (model.GPTConfig)", GPTConfig, MODEL_KEYS),
+                             ("training", TrainConfig, [f.name for f in fields(TrainConfig)])):
+        notes = comments(cls)
+        lines.append(f"  # {title}")
+        lines += [f"  --{k}={getattr(Config, k)!r}  {RULES[k].describe()}" + (f"  # {notes[k]}" if k in notes else "")
+                  for k in keys]
+    return "\n".join(lines)
 
 
-def check_type(key, value):
-    """Return value if it fits Config's annotation for key, else raise a ValueError that names both."""
-    expected = typing.get_type_hints(Config)[key]
-    allowed = typing.get_args(expected) or (expected,)
-    ok = any((t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-             or (t is int and isinstance(value, int) and not isinstance(value, bool))
-             or (t is type(None) and value is None) or (t in (str, bool, dict) and type(value) is t)
-             for t in allowed)
-    if not ok:
-        names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-        raise ValueError(f"{key}={value!r} has type {type(value).__name__}, expected {names}")
-    return float(value) if allowed[0] is float else value
+def is_path(kind):
+    """Does this option name a path (its existence is checked, so a caller without the files may skip it)?"""
+    return isinstance(kind, Path) or any(isinstance(r, Path) for r in getattr(kind, "rules", ()))
 
 
-def parse_args(argv, usage=""):
-    """Defaults <- config files <- --key=value overrides, with clear errors for unknown keys and bad types. -h / --help:
-    `usage` (the calling script's), then every option, and exit."""
+def check_option(key, value, raw=None):
+    """value as option `key` takes it (its rule: options.py), else a ValueError naming both and the rule. raw: the
+    command line's text, taken as such where the value read from it does not fit (--wandb_run_name=2024 is text).
+    Paths are checked and kept as given (train.py resolves them against its working directory as it uses them)."""
+    for v in (value,) if raw is None or raw == value else (value, raw):
+        try:
+            return RULES[key].check(v)
+        except ValueError as e:
+            error = e
+    raise ValueError(f"{key}={value!r} {error}") from None
+
+
+def parse_args(argv, usage="", paths=True):
+    """Defaults <- config files <- --key=value overrides; each option's final value checked by its rule (a config
+    file's path that the command line replaces is never looked at). paths=False: the path options go unchecked (for
+    a caller that reads a config's shapes only). -h / --help: `usage` (the calling script's), every option, exit."""
     if any(a in ("-h", "--help") for a in argv):
         print(usage + "\n" + config_help())
         raise SystemExit(0)
-    cfg, known = Config(), {f.name for f in fields(Config)}
+    cfg, known, given = Config(), {f.name for f in fields(Config)}, {}
     cfg.explicit = set()   # the keys a config file or the command line set (not a field: asdict leaves it out)
     for arg in argv:
         if not arg.startswith("--"):   # a config file: plain Python assignments
@@ -130,34 +168,20 @@ def parse_args(argv, usage=""):
                 val = ast.literal_eval(raw)
             except (ValueError, SyntaxError):   # a bare word is a string (nan and inf: numbers, refused as such)
                 val = float(raw) if raw.lower().lstrip("+-") in ("nan", "inf", "infinity") else raw
-            items, source = [(key, val)], "on the command line"
-        for key, val in items:
+            items, source = [(key, val, raw)], "on the command line"
+        for key, val, *raw in items:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=3)
-                raise ValueError(f"unknown option {key!r} {source}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
-                                 + "; python train.py -h lists every option")
-            setattr(cfg, key, check_type(key, val))
+                hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+                raise ValueError(f"unknown option {key!r} {source}{hint}; python train.py -h lists every option")
+            given[key] = (val, *raw)
             cfg.explicit.add(key)
-    for key, allowed in (("dtype", ("auto", "bfloat16", "float32")), ("lr_schedule", ("cosine", "linear", "1-sqrt")),
-                         ("param_dtype", ("float32", "bfloat16")), ("grad_sync", ("after", "overlap"))):
-        if getattr(cfg, key) not in allowed:
-            raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
-    positive = ("batch_tokens", "micro_batch", "max_steps", "eval_interval", "log_interval", "eval_tokens", "lr",
-                "grad_bucket_mb", "routing_lr_scale")
-    for rng, ok, keys in (("> 0", lambda v: v > 0, positive),
-                          (">= 0", lambda v: v >= 0, ("weight_decay", "grad_clip", "warmup_steps", "z_loss", "adam_eps",
-                                                      "keep_every")),
-                          ("in [0, 1] (the decay ends at lr * min_lr_ratio)", lambda v: 0 <= v <= 1, ("min_lr_ratio",)),
-                          ("in [0, 1)", lambda v: 0 <= v < 1, ("beta1", "beta2", "ema_decay")),
-                          ("> 0, or -1 (= max_steps)", lambda v: v > 0 or v == -1, ("lr_decay_steps",))):
-        for key in keys:
-            if not (math.isfinite(getattr(cfg, key)) and ok(getattr(cfg, key))):
-                raise ValueError(f"{key}={getattr(cfg, key)} must be a finite number {rng}")
+    for key, (val, *raw) in given.items():
+        setattr(cfg, key, check_option(key, val, *raw) if paths or not is_path(RULES[key]) else val)
     if cfg.keep_every % cfg.eval_interval:
-        raise ValueError(f"keep_every={cfg.keep_every} must be a multiple of eval_interval={cfg.eval_interval} (checkpoints "
-                         f"are written at evals), e.g. --keep_every={max(1, round(cfg.keep_every / cfg.eval_interval)) * cfg.eval_interval}")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
-        raise ValueError(f"device={cfg.device!r} is not one of auto, cpu, cuda, cuda:N")
+        fit = max(1, round(cfg.keep_every / cfg.eval_interval)) * cfg.eval_interval
+        raise ValueError(f"keep_every={cfg.keep_every} must be a multiple of eval_interval={cfg.eval_interval} "
+                         f"(checkpoints are written at evals), e.g. --keep_every={fit}")
     GPTConfig(vocab_size=128, **{k: getattr(cfg, k) for k in MODEL_KEYS})   # model errors now, not after data
     return cfg
 

@@ -10,7 +10,6 @@ pretrained one bitwise, and write a checkpoint for train.py / sample.py / eval.p
 Reads config.json and model.safetensors or a sharded model.safetensors.index.json, one tensor at a time (no
 `transformers` needed): an 8B model converts in ~16 GB of RAM in bf16, ~32 GB during the fp32 identity check.
 """
-import argparse
 import json
 import os
 import shutil
@@ -23,10 +22,11 @@ if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing i
 
 import torch
 
-from checkpoint import verify_checkpoint
+from checkpoint import read_checkpoint, verify_checkpoint
 from model import GPT, GPTConfig
-from common import check_device, run_script
-from tokenizer import load_tokenizer, tokenizer_id
+from common import run_script
+from options import Choice, Count, Device, Parser, Path
+from tokenizer import Tokenizer, load_tokenizer, tokenizer_id
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 # Hugging Face tensor names -> model.py names ({i} = layer)
@@ -204,33 +204,48 @@ def build_baseline(model):
     return GPT.from_state(cfg, state, device=next(model.parameters()).device)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf_dir", required=True, help="folder with config.json and the safetensors weights")
-    p.add_argument("--out_dir", required=True, help="where ckpt.pt (and tokenizer.json) are written")
-    p.add_argument("--route_heads", type=int, default=None, help="routing heads H (default 8)")
-    p.add_argument("--num_blocks", type=int, default=8, help="blocks of layers whose deltas are sources (default 8)")
-    p.add_argument("--tokenizer", default=None, help="tiktoken encoding name or a tokenizer.json path "
+def parser():
+    """convert.py's options, each with its kind and range (options.py)."""
+    p = Parser(prog="convert.py", description=__doc__)
+    p.add_argument("--hf_dir", type=Path("dir", "a Hugging Face checkpoint: config.json and safetensors"), required=True,
+                   help="folder with config.json and the safetensors weights")
+    p.add_argument("--out_dir", type=Path("out_dir"), required=True, help="where ckpt.pt (and tokenizer.json) are written")
+    p.add_argument("--route_heads", type=Count(1, 65536), default=None, help="routing heads H (default 8)")
+    p.add_argument("--num_blocks", type=Count(1, 1024), default=8, help="blocks of layers whose deltas are sources "
+                   "(default 8)")
+    p.add_argument("--tokenizer", type=Tokenizer(), default=None, help="tiktoken encoding name or a tokenizer.json path "
                    "(default: the checkpoint's tokenizer.json)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of the written weights")
-    p.add_argument("--block_size", type=int, default=None, help="longest sequence (default max_position_embeddings)")
-    p.add_argument("--check_batches", type=int, default=3, help="random batches of the identity check (0 = skip)")
-    p.add_argument("--device", default="cpu", help="device of the identity check (cpu | cuda)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing converted checkpoint in --out_dir")
-    args = p.parse_args(argv)
+    p.add_argument("--dtype", type=Choice("bfloat16", "float32"), default="bfloat16", help="dtype of the written weights")
+    p.add_argument("--block_size", type=Count(2, 2**20), default=None, help="longest sequence (default "
+                   "max_position_embeddings)")
+    p.add_argument("--check_batches", type=Count(0, 1000), default=3, help="random batches of the identity check (0 = "
+                   "skip)")
+    p.add_argument("--device", type=Device(), default="cpu", help="device of the identity check (cpu | cuda | cuda:N)")
+    p.add_argument("--force", action="store_true", help="replace a converted checkpoint in --out_dir (never a trained "
+                   "one)")
+    return p
+
+
+def converted_here(path):
+    """Is the checkpoint at path convert.py's (no training state)? A look at its keys; an unreadable file is not."""
+    try:
+        return read_checkpoint(path, verify=False).get("train_config", 0) is None
+    except ValueError:
+        return False
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)   # every option by its rule, before anything loads
     t0 = time.time()
     try:
-        for name, least in (("route_heads", 1), ("num_blocks", 1), ("block_size", 2), ("check_batches", 0)):
-            if getattr(args, name) is not None and getattr(args, name) < least:
-                raise ValueError(f"--{name}={getattr(args, name)} must be >= {least}")
-        if not os.path.isdir(args.hf_dir):
-            raise FileNotFoundError(f"--hf_dir={args.hf_dir}: no such folder")
-        check_device(args.device)
         if os.path.isdir(args.out_dir) and os.path.samefile(args.hf_dir, args.out_dir):
             raise ValueError(f"--out_dir={args.out_dir} is --hf_dir: write the converted model to a folder of its own")
         out = os.path.join(args.out_dir, "ckpt.pt")
         if os.path.exists(out) and not args.force:
             raise FileExistsError(f"{out} exists: choose another --out_dir or pass --force")
+        if os.path.exists(out) and not converted_here(out):
+            raise FileExistsError(f"{out} is a train.py checkpoint, not a converted one: --force replaces only "
+                                  "convert.py's; choose another --out_dir")
         hf = read_json(os.path.join(args.hf_dir, "config.json"))
         cfg = model_config(hf, args.route_heads, args.num_blocks, args.block_size)
         tok_src = args.tokenizer or os.path.join(args.hf_dir, "tokenizer.json")
@@ -240,6 +255,14 @@ def main(argv=None):
             tok_src = None
         if tok_src is not None:
             load_tokenizer(tok_src)   # fail before the long part
+        need = sum(os.path.getsize(os.path.join(args.hf_dir, f)) for f in os.listdir(args.hf_dir)
+                   if f.endswith(".safetensors")) * (1 if args.dtype == "bfloat16" else 2)
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(out))
+                                 if os.path.isdir(os.path.dirname(os.path.abspath(out))) else ".").free
+        if free < need:   # (the weights at --dtype, at most twice the safetensors' bytes)
+            raise ValueError(f"{args.out_dir}'s disk has {free / 1e9:.2f} GB free; the checkpoint needs ~{need / 1e9:.2f} "
+                             "GB: free some space or pick another --out_dir")
+        print(f"convert.py: reading {args.hf_dir}'s weights", flush=True)
         weights = load_weights(args.hf_dir, cfg, getattr(torch, args.dtype))
         model = build(cfg, weights)
         del weights
@@ -269,14 +292,19 @@ def main(argv=None):
             "tokenizer_id": tokenizer_id(os.path.join(args.out_dir, tokenizer)) if tokenizer and tokenizer.endswith(".json")
             else tokenizer, "converted_from": {"hf_dir": os.path.abspath(args.hf_dir), "config": hf},
             "train_config": None, "optimizer": None}
+    print(f"convert.py: writing {out}", flush=True)
     try:
         torch.save(ckpt, out + ".tmp")
         verify_checkpoint(out + ".tmp")   # read back by content before it lands
         os.replace(out + ".tmp", out)
+    except (OSError, RuntimeError, ValueError) as e:   # a full disk: torch.save's own error, not a traceback
+        sys.exit(f"convert.py: error: could not write {out} ({e}); nothing was written")
     finally:
         if os.path.exists(out + ".tmp"):
             os.remove(out + ".tmp")
     print(f"wrote {out} ({args.dtype}) in {time.time() - t0:.0f}s")
+    print(f"next: python train.py --init_from={args.out_dir} --out_dir=<a new folder> ...  (or sample.py / eval.py "
+          f"--out_dir={args.out_dir})")
 
 
 if __name__ == "__main__":

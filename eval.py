@@ -28,7 +28,6 @@ given tokens):
              sums divided by len(" " + ending) in characters.
 --limit=N keeps the first N*block_size tokens of WikiText-2 and the first N examples of the other two.
 """
-import argparse
 import json
 import lzma
 import math
@@ -45,9 +44,10 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import load_model as checkpoint_model, read_log
-from common import check_device, run_script
+from common import run_script, write_atomic
+from options import Count, Device, Parser, Path, Text
 from prepare_data import TokenData, check_files
-from tokenizer import checkpoint_tokenizer, load_tokenizer
+from tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer
 
 TASKS = ("wikitext2", "lambada", "hellaswag")
 LOCAL = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "lambada": "lambada/lambada_test.jsonl",
@@ -199,10 +199,10 @@ def eval_hellaswag(scorer, enc, rows, limit=None):
 EVALS = {"wikitext2": eval_wikitext2, "lambada": eval_lambada, "hellaswag": eval_hellaswag}
 
 
-def load_model(out_dir, device, tokenizer=None):
-    """The checkpoint's model (eval mode) and tokenizer (`tokenizer` overrides the one it records); the tokenizer's
-    name is model.checkpoint_info["tokenizer_used"]."""
-    model = checkpoint_model(out_dir, device=device)
+def load_model(out_dir, device, tokenizer=None, ema=False):
+    """The checkpoint's model (eval mode; ema: its EMA weights) and tokenizer (`tokenizer` overrides the one it
+    records); the tokenizer's name is model.checkpoint_info["tokenizer_used"]."""
+    model = checkpoint_model(out_dir, device=device, ema=ema, say=lambda line: print(f"eval.py: {line}", file=sys.stderr))
     model.eval()
     enc, model.checkpoint_info["tokenizer_used"] = checkpoint_tokenizer(model.checkpoint_info, model.cfg.vocab_size,
                                                                         tokenizer)
@@ -546,72 +546,87 @@ def plot_logs(paths, output, smooth=0.9):
 
 # -----------------------------------------------------------------------------
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", default="out", help="train.py / convert.py out_dir (or a ckpt.pt path)")
-    p.add_argument("--tasks", default=None, help=f"comma-separated subset of {','.join(TASKS)} (default: all); with "
-                   "--harness any harness task (default: wikitext,lambada_openai,hellaswag, local with --data_root)")
+CHECKPOINT = Path("any", "a train.py / convert.py out_dir or a ckpt.pt")
+
+
+def parser():
+    """eval.py's options, each with its kind and range (options.py)."""
+    p = Parser(prog="eval.py", description=__doc__)
+    p.add_argument("--out_dir", type=CHECKPOINT, default=None, help="train.py / convert.py out_dir (or a ckpt.pt path; "
+                   "default out)")
+    p.add_argument("--tasks", type=Text(), default=None, help=f"comma-separated subset of {','.join(TASKS)} (default: "
+                   "all); with --harness any harness task (default: wikitext,lambada_openai,hellaswag, local with "
+                   "--data_root)")
     p.add_argument("--harness", action="store_true", help="score with lm-evaluation-harness (the paper's protocol); "
                    "results in out_dir/eval_harness.json")
-    p.add_argument("--limit", type=int, default=None, help="first N examples (WikiText-2: first N*block_size tokens)")
-    p.add_argument("--block_size", type=int, default=None, help="longest scored sequence (default: the training length)")
-    p.add_argument("--data_root", default=None, help="local copies laid out like ../shared/data/eval (default: the Hub)")
-    p.add_argument("--output", default=None, help="results JSON (default: out_dir/eval.json); with --plot: the PNG")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--batch_size", type=int, default=16, help="sequences per forward")
-    p.add_argument("--tokenizer", default=None, help="tiktoken name or tokenizer.json (default: the checkpoint's; "
-                   "recorded in the results JSON)")
+    p.add_argument("--limit", type=Count(1, 10**9), default=None,
+                   help="first N examples (WikiText-2: first N*block_size tokens)")
+    p.add_argument("--block_size", type=Count(2, 2**20), default=None,
+                   help="longest scored sequence (default: the training length)")
+    p.add_argument("--data_root", type=Path("dir", "laid out like ../shared/data/eval"), default=None,
+                   help="local copies laid out like ../shared/data/eval (default: the Hub)")
+    p.add_argument("--output", type=Path("out_file"), default=None,
+                   help="results JSON (default: out_dir/eval.json); with --plot: the PNG")
+    p.add_argument("--device", type=Device(), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu | cuda | cuda:N")
+    p.add_argument("--batch_size", type=Count(1, 65536), default=16, help="sequences per forward")
+    p.add_argument("--tokenizer", type=Tokenizer(), default=None, help="tiktoken name or tokenizer.json (default: the "
+                   "checkpoint's; recorded in the results JSON)")
+    p.add_argument("--ema", action="store_true", help="score the checkpoint's EMA weights (train.py --ema_decay); "
+                   "the results JSON says which")
     p.add_argument("--probe", action="store_true", help="routing maps, Figure 4 and Table 6 instead of the tasks")
-    p.add_argument("--data_dir", default=None, help="--probe: prepare_data.py folder whose val.bin is probed "
-                   "(default: WikiText-2 validation text)")
-    p.add_argument("--probe_dir", default=None, help="--probe: where the PNGs and probe.json go (default out_dir/probe)")
-    p.add_argument("--slices", type=int, default=4, help="--probe: query slices of the Table 6 probe")
-    p.add_argument("--plot", nargs="+", metavar="LOG", default=None, help="plot these log.jsonl files and exit")
+    p.add_argument("--data_dir", type=Path("dir", "a prepare_data.py folder"), default=None,
+                   help="--probe: prepare_data.py folder whose val.bin is probed (default: WikiText-2 validation text)")
+    p.add_argument("--probe_dir", type=Path("out_dir"), default=None,
+                   help="--probe: where the PNGs and probe.json go (default out_dir/probe)")
+    p.add_argument("--slices", type=Count(1, 4096), default=4, help="--probe: query slices of the Table 6 probe")
+    p.add_argument("--plot", nargs="+", type=Path("file", "a train.py log.jsonl"), metavar="LOG", default=None,
+                   help="plot these log.jsonl files and exit")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     for name in ignored_options(args, p):
         print(f"eval.py: --{name}={getattr(args, name)} is unused " + ("with --plot" if args.plot else "with --probe" if
               args.probe else "without --probe") + "; ignored", file=sys.stderr)
     try:
         if args.plot:
-            missing = [p for p in args.plot if not os.path.isfile(p)]
-            if missing:
-                raise FileNotFoundError(f"--plot: {', '.join(missing)} not found (give log.jsonl files of train.py runs)")
             plot_logs(args.plot, args.output or "curves.png")
             return None
+        if args.out_dir is None:   # (the default, read only where a checkpoint is: not with --plot)
+            try:
+                args.out_dir = CHECKPOINT.check("out")
+            except ValueError as e:
+                raise ValueError(f"--out_dir=out {e}") from None
         default = ",".join(LOCAL_HARNESS if args.harness else TASKS)
         tasks = [t.strip() for t in (args.tasks or default).split(",") if t.strip()]
         unknown = [t for t in tasks if t not in TASKS and not args.harness]
         if unknown or not tasks:
             raise ValueError(f"--tasks={args.tasks!r}: unknown task(s) {unknown}; choose from {','.join(TASKS)}")
-        for name, least in (("limit", 1), ("block_size", 2)):
-            if getattr(args, name) is not None and getattr(args, name) < least:
-                raise ValueError(f"--{name}={getattr(args, name)} must be >= {least}")
-        if args.batch_size < 1:
-            raise ValueError(f"--batch_size={args.batch_size} must be >= 1")
-        if args.slices < 1:
-            raise ValueError(f"--slices={args.slices} must be >= 1")
-        check_device(args.device)
         if args.tokenizer:   # (the checkpoint's own is checked against its vocabulary once it loads)
             load_tokenizer(args.tokenizer)
-        if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-            raise FileNotFoundError(f"--output={args.output}: its folder does not exist")
         if args.probe and args.data_dir and not os.path.isfile(os.path.join(args.data_dir, "meta.json")):
             raise FileNotFoundError(f"--data_dir={args.data_dir} holds no meta.json: a prepare_data.py folder, whose "
                                     "val.bin the probe reads")
-        if args.data_root and not os.path.isdir(args.data_root):
-            raise FileNotFoundError(f"--data_root={args.data_root} not found: pass a folder laid out like "
-                                    "../shared/data/eval (wikitext-2-raw/, lambada/, hellaswag/)")
         if args.harness and not args.probe:   # the task names, before the model loads
             manager, tasks = harness_tasks(tasks, args.data_root)
-        model, enc = load_model(args.out_dir, args.device, args.tokenizer)
+        model, enc = load_model(args.out_dir, args.device, args.tokenizer, args.ema)
         if args.block_size and args.block_size > model.cfg.block_size:
             raise ValueError(f"--block_size={args.block_size} exceeds the model's {model.cfg.block_size}")
         base = model.checkpoint_info["dir"]
         kept = re.fullmatch(r"ckpt-step(\d+)\.pt", os.path.basename(args.out_dir))   # a --keep_every checkpoint:
         tag = f"-step{kept.group(1)}" if kept else ""                                 # its results beside the latest's
         if args.probe:
-            args.probe_dir = args.probe_dir or os.path.join(base, "probe" + tag)
+            args.probe_dir = Path("out_dir").check(args.probe_dir or os.path.join(base, "probe" + tag))
             return run_probe(args, model, enc)
+        name = "eval_harness" if args.harness else "eval"
+        output = args.output or os.path.join(base, f"{name}{tag}" + (f".limit{args.limit}" if args.limit else "") + ".json")
+        try:   # where the results go, checked before the tasks run
+            Path("out_file").check(output)
+        except ValueError as e:
+            raise ValueError(f"the results file {output} {e}: pass --output=") from None
         if args.harness:
             results = run_harness(args, model, enc, manager, tasks)
             tasks = []
@@ -624,12 +639,9 @@ def main(argv=None):
                   flush=True)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         sys.exit(f"eval.py: error: {e}")
-    name = "eval_harness" if args.harness else "eval"
-    output = args.output or os.path.join(base, f"{name}{tag}.json" if args.limit is None else f"{name}{tag}.limit{args.limit}.json")
-    results["tokenizer"] = model.checkpoint_info["tokenizer_used"]
-    with open(output + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(output + ".tmp", output)
+    results["tokenizer"], results["weights"] = model.checkpoint_info["tokenizer_used"], model.checkpoint_info["weights"]
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    write_atomic(output, json.dumps(results, indent=1))
     print(f"wrote {output}")
     return results
 
@@ -638,9 +650,9 @@ def ignored_options(args, parser):
     """The options given other than their defaults that the chosen mode (--plot, --probe, the tasks) does not read."""
     used = ({"plot", "output"} if args.plot else
             {"out_dir", "block_size", "data_root", "output", "device", "batch_size", "tokenizer", "probe", "data_dir",
-             "probe_dir", "slices"} if args.probe else
+             "probe_dir", "slices", "ema"} if args.probe else
             {"out_dir", "tasks", "harness", "limit", "block_size", "data_root", "output", "device", "batch_size",
-             "tokenizer", "probe"})
+             "tokenizer", "probe", "ema"})
     return [k for k, v in vars(args).items() if k not in used and v != parser.get_default(k)]
 
 

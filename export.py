@@ -10,13 +10,12 @@ convert.py's mapping run the other way for the baseline, this repository's own m
 - attnres, mhar, hyper, block routing, delta: config.json's auto_map names modeling_mhar.py, written into the folder:
   a PreTrainedModel with GenerationMixin around model.py, which is copied beside it with the modules it imports (their
   imports of each other made package-relative, nothing else changed: one implementation). Load with
-  `trust_remote_code=True`; generate() uses this repository's KV cache (greedy and sampling; beam search with
-  use_cache=False). The model ignores attention_mask: batches padded on the left are read as their pad tokens.
+  `trust_remote_code=True` (the tokenizer too); generate() uses this repository's KV cache (greedy and sampling; beam
+  search with use_cache=False). attention_mask is honoured: a batch padded on either side gives each row's own text.
 Both: model.safetensors (sharded above 5 GB), generation_config.json, and the tokenizer (GPT-2's from tiktoken's cached
 files, or the checkpoint's tokenizer.json). Written into a temporary folder, checked (the folder loaded with
 transformers, where installed, against this repository's logits), then moved into place: a failure writes nothing.
 """
-import argparse
 import ast
 import importlib.util
 import json
@@ -35,7 +34,8 @@ import torch
 
 from convert import NAMES
 from checkpoint import load_model
-from common import check_device, run_script
+from common import run_script
+from options import Choice, Device, Flag, Parser, Path, Text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARD_BYTES = 5 * 10**9
@@ -43,7 +43,7 @@ GPT2_FILES = ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/e
               "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe")
 
 
-def load(path):
+def load(path, ema=False):
     """(model in fp32, its checkpoint dict) of a train.py out_dir or ckpt.pt; a ValueError in one line otherwise."""
     if os.path.isdir(path):
         path = os.path.join(path, "ckpt.pt")
@@ -51,7 +51,7 @@ def load(path):
         raise ValueError(f"--out_dir={path}: no checkpoint there (pass a train.py or convert.py out_dir, or a ckpt.pt)")
     from checkpoint import read_checkpoint
     ckpt = read_checkpoint(path)   # checked by content
-    model = load_model(path, ckpt=ckpt)
+    model = load_model(path, ckpt=ckpt, ema=ema, say=lambda line: print(f"export.py: {line}"))
     model.eval()
     return model, ckpt
 
@@ -251,65 +251,189 @@ def check(folder, model, remote, device, n_tokens=32):
     return (ours.float().cpu() - theirs).abs().max().item()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", required=True, help="a train.py / convert.py out_dir, or a ckpt.pt")
-    p.add_argument("--hf_dir", required=True, help="the folder to write (refused if it exists, unless --force)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the written weights")
-    p.add_argument("--check", default="True", choices=("True", "False"),
-                   help="load the written folder with transformers and compare its logits with this repo's (fp32)")
-    p.add_argument("--device", default="cpu", help="device of the check (cpu | cuda)")
-    p.add_argument("--force", action="store_true", help="replace an existing --hf_dir")
-    args = p.parse_args(argv)
+def parser():
+    """export.py's options, each with its kind and range (options.py)."""
+    p = Parser(prog="export.py", description=__doc__)
+    p.add_argument("--out_dir", type=Path("any", "a train.py / convert.py out_dir or a ckpt.pt"), required=True,
+                   help="a train.py / convert.py out_dir, or a ckpt.pt")
+    p.add_argument("--hf_dir", type=Path("out_dir"), required=True,
+                   help="the folder to write (refused if it exists, unless --force and export.py wrote it)")
+    p.add_argument("--dtype", type=Choice("float32", "bfloat16"), default="float32", help="dtype of the written weights")
+    p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights (train.py --ema_decay)")
+    p.add_argument("--check", type=Flag(), default=True, help="load the written folder with transformers in a fresh "
+                   "process elsewhere and compare its logits with this repo's (fp32)")
+    p.add_argument("--device", type=Device(), default="cpu", help="device of the check (cpu | cuda | cuda:N)")
+    p.add_argument("--license", type=Text(), default="other", help="the model card's license (the Hub's identifiers, "
+                   "e.g. apache-2.0; default other: yours to say)")
+    p.add_argument("--force", action="store_true", help="replace an --hf_dir that export.py wrote (never another folder, "
+                   "and never one that holds the checkpoint)")
+    return p
+
+
+def exported_here(folder):
+    """Did export.py write this folder? Its config.json names the checkpoint it came from (exported_from)."""
     try:
-        check_device(args.device)
-        if os.path.exists(args.hf_dir) and not args.force:
-            raise ValueError(f"--hf_dir={args.hf_dir} exists: pick another folder or pass --force to replace it")
-        if os.path.abspath(args.hf_dir) == os.path.abspath(args.out_dir if os.path.isdir(args.out_dir)
-                                                           else os.path.dirname(args.out_dir)):
-            raise ValueError("--hf_dir must not be the checkpoint's own folder")
-        model, ckpt = load(args.out_dir)
+        with open(os.path.join(folder, "config.json")) as f:
+            return "exported_from" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_target(hf_dir, ckpt_path, force):
+    """--hf_dir may be written: new, or (--force) a folder export.py wrote that holds no checkpoint; a ValueError else."""
+    ckpt_dir = os.path.dirname(ckpt_path)
+    if os.path.commonpath([hf_dir, ckpt_dir]) == hf_dir:
+        raise ValueError(f"--hf_dir={hf_dir} holds the checkpoint ({ckpt_path}): write the export to a folder of its own")
+    if os.path.exists(hf_dir):
+        if not force:
+            raise ValueError(f"--hf_dir={hf_dir} exists: pick another folder, or pass --force to replace an export")
+        if not exported_here(hf_dir):
+            raise ValueError(f"--hf_dir={hf_dir} exists and export.py did not write it (no config.json naming its "
+                             "checkpoint): --force replaces only exports; pick another folder")
+        if any(f.endswith(".pt") for _, _, files in os.walk(hf_dir) for f in files):
+            raise ValueError(f"--hf_dir={hf_dir} holds .pt files (checkpoints?): --force does not replace it")
+
+
+class Stopped(Exception):
+    """SIGTERM during an export: the temporary folder is removed on the way out."""
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)   # every option by its rule, before anything loads
+    def stop(signum, frame):
+        raise Stopped
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        path = os.path.join(args.out_dir, "ckpt.pt") if os.path.isdir(args.out_dir) else args.out_dir
+        check_target(args.hf_dir, os.path.abspath(path), args.force)
+        model, ckpt = load(args.out_dir, args.ema)
         written = export(model, ckpt, args)
     except (ValueError, OSError) as e:
         sys.exit(f"export.py: error: {e}")
+    except Stopped:
+        print(f"export.py: stopped by SIGTERM; nothing was written ({args.hf_dir} is as it was)", file=sys.stderr)
+        sys.exit(143)
     return written
 
 
 def export(model, ckpt, args):
-    """The folder written into a temporary sibling of --hf_dir, checked, then moved into place."""
+    """The folder written into a temporary sibling of --hf_dir, checked, then moved into place (a replaced export is
+    removed only once the new one is in place)."""
     mode, dtype = model.cfg.residual, getattr(torch, args.dtype)
     if mode not in ("baseline", "hyper", "attnres", "mhar", "delta"):
         raise ValueError(f"residual={mode!r}: export knows baseline, hyper, attnres, mhar and delta")
     ckpt_dir = model.checkpoint_info["dir"]
     parent = os.path.dirname(os.path.abspath(args.hf_dir)) or "."
     os.makedirs(parent, exist_ok=True)
+    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    free = shutil.disk_usage(parent).free
+    if free < need + 2**26:   # the weights, and room for the rest
+        raise ValueError(f"{parent} has {free / 1e9:.2f} GB free; the export needs ~{need / 1e9:.2f} GB: free some space "
+                         "or pick another --hf_dir")
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    old = None
     try:
         length = training_length(model, ckpt)
         eos, bos = tokenizer_files(ckpt, ckpt_dir, tmp, length)
         remote = mode != "baseline"
         config, state = remote_export(model, length, dtype, tmp) if remote else baseline_export(model, length, dtype)
         config.update({"eos_token_id": eos, "bos_token_id": bos, "pad_token_id": eos, "dtype": args.dtype,
-                       "exported_from": {"checkpoint": ckpt_dir, "step": ckpt.get("step"), "git": ckpt.get("git")}})
+                       "exported_from": {"checkpoint": os.path.basename(ckpt_dir), "step": ckpt.get("step"),
+                                         "git": ckpt.get("git"), "weights": model.checkpoint_info["weights"]}})
         write_json(os.path.join(tmp, "config.json"), config)
         write_json(os.path.join(tmp, "generation_config.json"),
                    {"eos_token_id": eos, "bos_token_id": bos, "pad_token_id": eos, "do_sample": False, "use_cache": True})
+        print(f"export.py: writing {len(state)} tensors ({need / 1e9:.2f} GB, {args.dtype})", flush=True)
         write_weights(state, tmp)
-        worst = check(tmp, model, remote, args.device) if args.check == "True" else None
+        write_card(tmp, model, ckpt, config, args)
+        if args.check:
+            print("export.py: checking the folder in a fresh python -I elsewhere (transformers alone)", flush=True)
+        worst = check(tmp, model, remote, args.device) if args.check else None
         if worst is not None and not worst <= (1e-4 if args.dtype == "float32" else float("inf")):   # (NaN fails)
             raise ValueError(f"the exported model's logits differ from the checkpoint's by {worst:.3g}; nothing written")
-        if os.path.exists(args.hf_dir):
-            shutil.rmtree(args.hf_dir)
+        os.chmod(tmp, 0o755)   # (mkdtemp makes it 0700: a folder to share reads as save_pretrained's do)
+        if os.path.exists(args.hf_dir):   # an earlier export (check_target): set aside until the new one is in place
+            old = tempfile.mkdtemp(prefix=".replaced-", dir=parent)
+            os.replace(args.hf_dir, os.path.join(old, "export"))
         os.replace(tmp, args.hf_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not os.path.exists(args.hf_dir):
+            os.replace(os.path.join(old, "export"), args.hf_dir)
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     kind = "Qwen3" if config["model_type"] == "qwen3" else "Llama" if config["model_type"] == "llama" else \
         f"{mode} through modeling_mhar.py (trust_remote_code=True)"
-    print(f"wrote {args.hf_dir}: {kind}, {args.dtype}, {len(state)} tensors" + (
-        f"; its logits match the checkpoint's to {worst:.1e} (fp32, transformers)" if worst is not None else
-        "; not checked (transformers is not installed)"))
+    print(f"wrote {args.hf_dir}: {kind}, {args.dtype}, {model.checkpoint_info['weights']} weights, {len(state)} tensors" +
+          (f"; its logits match the checkpoint's to {worst:.1e} (fp32, transformers)" if worst is not None else
+           "; not checked (transformers is not installed)" if args.check else "; not checked (--check=False)"))
+    trust = ", trust_remote_code=True" if remote else ""
+    print(f"next: AutoModelForCausalLM.from_pretrained({args.hf_dir!r}{trust}) and AutoTokenizer.from_pretrained(the "
+          f"same{trust}); its README.md is the model card")
     return args.hf_dir
+
+
+def write_card(out, model, ckpt, config, args):
+    """README.md: the Hub's metadata (YAML), what the model is, how it was trained and scored (the run's last eval in
+    log.jsonl and any eval.py results beside the checkpoint), and how to load it."""
+    cfg, info, train = model.cfg, model.checkpoint_info, ckpt.get("train_config") or {}
+    remote, ckpt_dir = cfg.residual != "baseline", info["dir"]
+    source = (ckpt.get("converted_from") or {}).get("config", {}).get("_name_or_path", "")
+    data = [i[len("hf://"):].rsplit("/", 1)[0] for i in (ckpt.get("meta") or {}).get("inputs") or [] if i.startswith("hf://")]
+    meta = {"library_name": "transformers", "license": args.license, "pipeline_tag": "text-generation",
+            "tags": list(dict.fromkeys(["mhar", "attention-residuals", cfg.residual] + (["custom_code"] if remote else []))),
+            **({"base_model": source} if re.fullmatch(r"[\w.-]+/[\w.-]+", source or "") else {}),
+            **({"datasets": sorted(set(data))} if data else {})}
+    yaml = "\n".join(f"{k}:" + ("".join(f"\n- {v}" for v in x) if isinstance(x, list) else f" {x}") for k, x in meta.items())
+    evals = {}
+    try:
+        from checkpoint import read_log
+        last = [r for r in read_log(os.path.join(ckpt_dir, "log.jsonl")) if "val_loss" in r and r["step"] <= (ckpt.get("step") or 0)]
+        if last:
+            evals["validation loss (its run's held-out split)"] = f"{last[-1]['val_loss']:.4f} at step {last[-1]['step']}" + (
+                f", {last[-1]['val_bpb']:.4f} bits per byte" if last[-1].get("val_bpb") else "")
+    except (OSError, ValueError):
+        pass
+    for name in sorted(f for f in os.listdir(ckpt_dir) if re.fullmatch(r"eval(_harness)?(-step\d+)?(\.limit\d+)?\.json", f)):
+        try:
+            with open(os.path.join(ckpt_dir, name)) as f:
+                results = json.load(f)
+            evals[f"eval.py ({name})"] = "; ".join(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items()
+                                                                            if isinstance(v, (int, float)))
+                                                   for task, r in results.items() if isinstance(r, dict))
+        except (OSError, ValueError):
+            continue
+    loads = "trust_remote_code=True" if remote else ""
+    inputs = ", ".join(i[len("hf://"):] if i.startswith("hf://") else os.path.basename(i)   # (no local paths)
+                       for i in (ckpt.get("meta") or {}).get("inputs") or [])[:300] or "?"
+    body = [f"# {os.path.basename(os.path.abspath(args.hf_dir))}", "",
+            f"A {model.num_params() / 1e6:.0f}M-parameter Qwen3-style decoder with residual mode `{cfg.residual}`"
+            + (f" (routing heads {cfg.heads}" + (f", over {cfg.route_blocks} blocks" if cfg.route_blocks else "") + ")"
+               if cfg.residual in ("attnres", "mhar", "delta") else "")
+            + ": Multi-Head Attention Residuals (arXiv 2607.27230) and the residual schemes it is compared with, as "
+            "the mhar repository trains them. "
+            + ("Every sublayer reads a learned softmax mix of all earlier sublayer outputs; the modeling code is the "
+               "repository's own model.py, copied into this folder (trust_remote_code=True)." if remote else
+               "The baseline (an additive residual stream): a stock Qwen3 folder, no remote code."), "",
+            f"- shape: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads ({cfg.n_kv_head} key/value), "
+            f"vocabulary {cfg.vocab_size}, trained at {train.get('block_size') or config.get('max_position_embeddings')} "
+            "tokens",
+            f"- weights: {info['weights']} ({'the EMA of training' if info['weights'] == 'ema' else 'as trained'}), "
+            f"{args.dtype}, step {ckpt.get('step')}, the repository's tree {ckpt.get('git') or 'unknown'}",
+            *([f"- training: {train.get('max_steps')} steps of {train.get('batch_tokens'):,} tokens, peak LR "
+               f"{train.get('lr')}, seed {train.get('seed')}, data: {inputs}"]
+              if train.get("batch_tokens") else ["- converted from a pretrained model (convert.py): delta routing at "
+                                                 "alpha = 0 computes the pretrained model's logits"]),
+            *[f"- {k}: {v}" for k, v in evals.items()], "",
+            "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"model = AutoModelForCausalLM.from_pretrained(PATH{', ' + loads if loads else ''})",
+            f"tokenizer = AutoTokenizer.from_pretrained(PATH{', ' + loads if loads else ''})",
+            "```",
+            "Batches may be padded on either side: the attention mask is honoured." if remote else ""]
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write("---\n" + yaml + "\n---\n\n" + "\n".join(body).rstrip() + "\n")
 
 
 # The modeling file written into every non-baseline export: transformers' wrapper of this folder's model.py.
@@ -369,8 +493,8 @@ class MHARForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, labels=None, use_cache=None, cache=None,
                 past_key_values=None, **kwargs):
         """Logits (B, T, vocab) of input_ids; with labels (input_ids' shape, -100 ignored) the next-token loss; with
-        use_cache the KV cache (model.py's KVCache) to pass back for the next tokens. attention_mask is not read:
-        every position attends to the positions before it."""
+        use_cache the KV cache (model.py's KVCache) to pass back for the next tokens. attention_mask (B, tokens so far):
+        0 at padding, on either side; a padded row computes what it would alone."""
         if not self.rope_ready:   # (transformers builds the model on the meta device: its buffers hold no values)
             self.model.reset_buffers(self.model.wte.weight.device)
             self.rope_ready = True
@@ -380,7 +504,7 @@ class MHARForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and cache.pos + input_ids.size(1) > cache.max_len:
             raise ValueError(f"{cache.pos + input_ids.size(1)} tokens exceed max_position_embeddings "
                              f"{cache.max_len}; generate fewer tokens")
-        logits, _ = self.model(input_ids, cache=cache)
+        logits, _ = self.model(input_ids, cache=cache, attention_mask=attention_mask)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
@@ -394,7 +518,7 @@ class MHARForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if isinstance(cache, KVCache) else past_key_values if isinstance(past_key_values, KVCache) else None
         if cache is not None:
             input_ids = input_ids[:, cache.pos:]   # only the tokens the cache has not seen
-        return {"input_ids": input_ids, CACHE: cache, "use_cache": use_cache}
+        return {"input_ids": input_ids, CACHE: cache, "use_cache": use_cache, "attention_mask": attention_mask}
 '''
 
 

@@ -72,6 +72,16 @@ class KVCache:
         self.v = [torch.zeros_like(t) for t in self.k]
         self.pos, self.layer = 0, 0   # tokens cached; the next attention layer in this forward
         self.step_pos = None          # DecodeGraph's one-token steps: the position as a (1,) device tensor
+        self.valid = None             # a padded batch: (B, max_len) bool, False at pad positions (pad())
+
+    def pad(self, valid):
+        """A padded batch's forward: valid (B, tokens so far) marks its tokens; pad keys are masked from here on."""
+        if self.step_pos is not None:
+            raise ValueError("a padded batch cannot use the graphed decode step: pass cuda_graph=False")
+        if self.valid is None:
+            self.valid = torch.ones(valid.size(0), self.max_len, dtype=torch.bool, device=valid.device)
+        self.valid[:, :valid.size(1)] = valid
+        return self
 
     def extend(self, k, v):
         """Append one layer's new (B, kv, T, hd) keys and values: all its keys and values so far, and the mask of
@@ -92,8 +102,33 @@ class KVCache:
         mask = None
         if T > 1 and self.pos > 0:   # a chunk after cached tokens: query t sees positions <= pos + t
             mask = torch.ones(T, end, dtype=torch.bool, device=k.device).tril(self.pos)
+        if self.valid is not None:
+            mask = padded_mask(self.valid[:, :end], self.pos, T)
         return self.k[i][:, :, :end].to(k.dtype), self.v[i][:, :, :end].to(v.dtype), mask
 
     def advance(self, T):
         """After a forward over T new tokens: they are cached."""
         self.pos, self.layer = self.pos + T, 0
+
+
+def padded_mask(valid, pos, T):
+    """The attention mask (B, 1, T, end) of T queries at positions pos .. pos + T - 1 over keys 0 .. end - 1 of which
+    valid (B, end) are tokens: causal, pad keys out; each query sees itself (a pad row's output is finite and unused)."""
+    end = valid.size(1)
+    q = torch.arange(pos, pos + T, device=valid.device)[:, None]
+    key = torch.arange(end, device=valid.device)[None, :]
+    return ((key <= q) & valid[:, None, :] | (key == q))[:, None]
+
+
+class Padding:
+    """A padded batch without a cache: KVCache's extend(), so attention masks the pad keys the same way."""
+
+    def __init__(self, valid):
+        self.valid, self.pos, self.layer, self.step_pos = valid, 0, 0, None
+
+    def extend(self, k, v):
+        return k, v, padded_mask(self.valid, 0, k.size(2))
+
+    def advance(self, T):
+        pass
+

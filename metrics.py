@@ -15,12 +15,14 @@ import math
 import os
 import sys
 import time
+import uuid
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from checkpoint import is_dtensor, read_log, trim_log
+from common import write_atomic
 
 
 # ---- routing statistics -----------------------------------------------------------------------------------------------
@@ -74,7 +76,6 @@ def val_bytes_per_token(data_dir, meta, n_targets, log=print):
     0 for special tokens such as the end-of-text separator); a folder prepared without it gets one, measured from its
     tokenizer now. None, said in one line, where the tokenizer cannot be loaded."""
     import tokenizer
-    from common import write_atomic
     path = os.path.join(data_dir, "token_bytes.bin")
     if os.path.isfile(path):
         table = np.fromfile(path, dtype=np.uint16)
@@ -113,8 +114,13 @@ class Tracker:
         if not (cfg.wandb_log and master):
             return
         import wandb   # train.py checked that it imports before any training
+        # the run's id, kept in out_dir: a resumed run continues its own W&B run (a fresh one starts a new run)
+        id_file = os.path.join(cfg.out_dir, "wandb_run_id")
+        run_id = open(id_file).read().strip() if cfg.init_from == "resume" and os.path.isfile(id_file) else None
+        run_id = run_id or uuid.uuid4().hex[:8]
+        write_atomic(id_file, run_id)
         self.run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, config=config,
-                              dir=cfg.out_dir, resume="allow")
+                              dir=cfg.out_dir, id=run_id, resume="allow")
 
     @staticmethod
     def check(cfg):
@@ -237,9 +243,11 @@ class StepLog:
                        f"{summary['w_newest']:.3f}" if summary else "") + self.peak_mem())
         self.write({"step": step, "val_loss": val, "val_bpb": bpb, **({} if val_ema is None else {"val_loss_ema": val_ema}),
                     **({"routing": routing} if routing else {})})
-        if summary and self.tracker is not None and self.rt.master:   # the tracker's scalars of the routing record
+        if summary and self.tracker is not None and self.rt.master:   # the routing record's numbers, per site and head
             self.tracker.log({"step": step, **{f"routing/{k}": v for k, v in summary.items()},
-                              **{f"routing/entropy_site{j + 1}": float(np.mean(h)) for j, h in enumerate(routing["entropy"])}})
+                              **{f"routing/entropy_site{j + 1}": float(np.mean(h)) for j, h in enumerate(routing["entropy"])},
+                              **{f"routing_heads/{stat}/site{j + 1}/head{h}": float(x) for stat, sites in routing.items()
+                                 for j, heads in enumerate(sites) for h, x in enumerate(heads)}})
 
     def done(self, step):
         if self.tracker is not None:

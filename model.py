@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from generation import generate
+from generation import Padding, generate
 
 RESIDUAL_MODES = ("baseline", "hyper", "attnres", "mhar", "delta")
 ROUTING_IMPLS = ("auto", "fused", "reference")
@@ -154,9 +154,10 @@ def rope_tables(head_dim, n_pos, theta, scaling=None):
 
 
 def apply_rope(x, cos, sin):
-    """x: (B, T, heads, head_dim); rotate the two halves of each head (Qwen3/Llama "rotate_half" layout)."""
+    """x: (B, T, heads, head_dim); rotate the two halves of each head (Qwen3/Llama "rotate_half" layout). cos, sin:
+    (T, head_dim / 2), or (B, T, head_dim / 2) where the rows' positions differ (a padded batch)."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
@@ -460,13 +461,24 @@ class GPT(nn.Module):
         # fills unused output gradients): a (B, T, vocab) fill every step, GBs at the paper's vocabulary
         return logits.detach(), loss
 
-    def forward(self, idx, targets=None, return_routing=False, cache=None):
-        """idx (B, T) -> (logits, loss). cache: a KVCache holding the tokens before idx (generation)."""
+    def forward(self, idx, targets=None, return_routing=False, cache=None, attention_mask=None):
+        """idx (B, T) -> (logits, loss). cache: a KVCache holding the tokens before idx (generation). attention_mask
+        (B, tokens before idx + T), 1 for a token and 0 for padding (either side): pad keys are masked out of
+        attention and each row's positions count its own tokens only (Hugging Face's convention), so a padded row
+        computes what it would alone; routing mixes each token's own depth history and needs no mask."""
         B, T = idx.shape
         start = 0 if cache is None else cache.pos
         if start + T > self.cfg.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size={self.cfg.block_size}")
-        if cache is not None and cache.step_pos is not None:   # a DecodeGraph step: one token at step_pos
+        if attention_mask is not None and not bool(attention_mask.all()):
+            if attention_mask.shape != (B, start + T):
+                raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)}: it must be (batch, tokens "
+                                 f"before idx + idx's) = ({B}, {start + T})")
+            valid = attention_mask.bool()
+            pos = (valid.long().cumsum(-1) - 1).clamp_min(0)[:, start:]   # (B, T): each row's own positions
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+            cache = Padding(valid) if cache is None else cache.pad(valid)
+        elif cache is not None and cache.step_pos is not None:   # a DecodeGraph step: one token at step_pos
             cos, sin = self.rope_cos[cache.step_pos], self.rope_sin[cache.step_pos]
         else:
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]

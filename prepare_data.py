@@ -18,7 +18,6 @@ Examples:
       --val_input=../shared/data/text/books_wiki_en_val.jsonl.xz --out_dir=data/books_wiki
   python prepare_data.py --tokenizer=Qwen/Qwen3-0.6B --out_dir=data/fineweb_qwen3    # the paper's tokenizer
 """
-import argparse
 import glob
 import gzip
 import hashlib
@@ -38,7 +37,9 @@ from multiprocessing import Pool
 import numpy as np
 
 from common import LockHeld, release_lock, take_lock, write_atomic
-from tokenizer import HFTokenizer, TOKENIZERS, hub_tokenizer, is_hub_name, load_tokenizer, token_byte_table, tokenizer_id
+from options import Count, Parser, Path, Real, Rule, Text
+from tokenizer import (HFTokenizer, TOKENIZERS, Tokenizer, hub_tokenizer, is_hub_name, load_tokenizer, token_byte_table,
+                       tokenizer_id)
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz", ".txt", ".parquet")
 HUB_DATASET, HUB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
@@ -64,8 +65,9 @@ def resolve_inputs(spec):
     return paths
 
 
-def read_documents(paths, text_field="text"):
-    """Yield the text of every document in the given files, in order."""
+def read_documents(paths, text_field="text", progress=None):
+    """Yield the text of every document in the given files, in order; progress(n): n more bytes of the files read."""
+    progress = progress or (lambda n: None)
     for path in paths:
         if path.endswith(".parquet"):
             import pyarrow.parquet as pq
@@ -74,23 +76,28 @@ def read_documents(paths, text_field="text"):
                 raise KeyError(f"{path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); use --text_field=")
             for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
                 yield from (t for t in batch.column(0).to_pylist() if t)
+            progress(os.path.getsize(path))
         elif path.endswith(".txt"):
             try:
                 with open(path, encoding="utf-8") as f:
                     yield f.read()
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+            progress(os.path.getsize(path))
         else:
-            yield from _jsonl_texts(path, text_field)
+            yield from _jsonl_texts(path, text_field, progress)
 
 
-def _jsonl_texts(path, text_field):
+def _jsonl_texts(path, text_field, progress):
     """The text field of every row of a .jsonl[.gz|.xz] file; bad rows are errors naming the file and line."""
-    opener = {".gz": gzip.open, ".xz": lzma.open}.get(os.path.splitext(path)[1], open)
-    lineno = 0
+    opener = {".gz": gzip.open, ".xz": lzma.open}.get(os.path.splitext(path)[1], lambda f, mode: f)
+    lineno, done = 0, 0
     try:
-        with opener(path, "rb") as f:   # bytes, decoded line by line: a bad byte is reported at its own line
-            for lineno, raw in enumerate(f, 1):
+        with open(path, "rb") as file, opener(file, "rb") as f:   # bytes, decoded line by line: a bad byte is
+            for lineno, raw in enumerate(f, 1):                      # reported at its own line
+                if lineno % 64 == 0 and file.seekable():   # the compressed bytes read so far (a pipe: at its end)
+                    progress(file.tell() - done)
+                    done = file.tell()
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -113,6 +120,7 @@ def _jsonl_texts(path, text_field):
                     yield text
     except (EOFError, lzma.LZMAError, gzip.BadGzipFile) as e:
         raise ValueError(f"{path}: the compressed file is damaged or truncated after line {lineno} ({e})") from None
+    progress(max(0, os.path.getsize(path) - done))
 
 
 def hub_documents(text_field="text"):
@@ -254,7 +262,8 @@ def remake_command(data_dir, meta):
     args = ([f"--input={inputs[0] if len(inputs) == 1 else os.path.commonpath(inputs)}"] if local else []) + \
         ([f"--val_input={val[0] if len(val) == 1 else os.path.commonpath(val)}"] if val else []) + \
         ([f"--tokenizer={meta.get('tokenizer_source') or meta['tokenizer']}"] if meta.get("tokenizer", "gpt2") != "gpt2"
-         else []) + [f"--{k}={meta[k]:g}" for k in ("max_tokens", "max_val_tokens") if meta.get(k) is not None]
+         else []) + ([f"--tokenizer_revision={meta['tokenizer_revision']}"] if meta.get("tokenizer_revision") else []) + \
+        [f"--{k}={meta[k]:g}" for k in ("max_tokens", "max_val_tokens") if meta.get(k) is not None]
     every = re.fullmatch(r"every (\d+)th document", meta.get("val_split", ""))
     args += ([f"--val_fraction={1 / int(every.group(1)):g}"] if every and every.group(1) != "100" else []) + \
         ([f"--text_field={meta['text_field']}"] if meta.get("text_field", "text") != "text" else [])
@@ -298,10 +307,14 @@ class TokenData:
 
 
 def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_tokens=100_000_000,
-            max_val_tokens=None, val_fraction=0.01, text_field="text", workers=None, force=False, eot_token=None):
+            max_val_tokens=None, val_fraction=0.01, text_field="text", workers=None, force=False, eot_token=None,
+            tokenizer_revision=None):
     hub, model_vocab = (tokenizer, None) if is_hub_name(tokenizer) else (None, None)
+    if tokenizer_revision and not hub:
+        raise ValueError(f"--tokenizer_revision={tokenizer_revision} is for a Hugging Face model's name (--tokenizer="
+                         "owner/model)")
     if hub:   # a Hub model's tokenizer.json, fetched (or found in the Hub's cache) now; copied into out_dir at the end
-        tokenizer, model_vocab = hub_tokenizer(hub)
+        tokenizer, model_vocab = hub_tokenizer(hub, tokenizer_revision)
     if eot_token and not tokenizer.endswith(".json"):
         raise ValueError(f"--eot_token={eot_token!r} is for a tokenizer.json; tiktoken's {tokenizer} has its own")
     enc = load_tokenizer(tokenizer, eot=eot_token)   # fail early, before reading any data
@@ -313,27 +326,33 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
     if out_dir is None:
         name = "fineweb_edu" if input is None else os.path.basename(input.rstrip("/*")).split(".")[0] or "local"
         out_dir = os.path.join("data", name)
-    existing = [p for p in (os.path.join(out_dir, s) for s in ("train.bin", "val.bin", "meta.json")) if os.path.exists(p)]
-    if existing and not force:
-        raise FileExistsError(f"{out_dir} already holds {', '.join(map(os.path.basename, existing))}: "
-                              "choose another --out_dir or pass --force to overwrite")
-    workers = workers or min(os.cpu_count() or 1, 16)
+    cores = os.cpu_count() or 1
+    if workers and workers > cores:
+        print(f"prepare_data.py: --workers={workers} on {cores} cores: the workers take turns on them")
+    workers = workers or min(cores, 16)
     dtype = token_dtype(enc.n_vocab)
     inputs = resolve_inputs(input) if input else None
     val_inputs = resolve_inputs(val_input) if val_input else None
     from tqdm import tqdm
-    docs = read_documents(inputs, text_field) if inputs else hub_documents(text_field)
     every = None if val_inputs else max(1, round(1 / val_fraction))
     t0 = time.time()
-    with staging(out_dir) as stage:
+    with staging(out_dir, force) as stage:   # (the folder is held before what it holds is looked at)
         train, val = (TokenWriter(os.path.join(stage, name), dtype) for name in ("train.bin", "val.bin"))
-        with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({workers} workers)") as bar:
+        # progress: the Hub stream toward --max_tokens; local files by their bytes read (the tokens they hold unknown)
+        bar = tqdm(total=sum(map(os.path.getsize, inputs)) if inputs else max_tokens, unit="B" if inputs else "tok",
+                   unit_scale=True, desc=f"tokenizing ({workers} workers)")
+        docs = read_documents(inputs, text_field, bar.update) if inputs else hub_documents(text_field)
+        with bar:
             for i, toks in enumerate(encode_stream(docs, tokenizer, workers, eot=eot_token)):
                 if every is not None and i % every == 0:
                     if max_val_tokens is None or val.tokens < max_val_tokens:
                         val.write(toks, max_val_tokens)
                     continue
-                bar.update(train.write(toks, max_tokens))
+                written = train.write(toks, max_tokens)
+                if inputs:
+                    bar.set_postfix_str(f"{train.tokens:,} tokens", refresh=False)
+                else:
+                    bar.update(written)
                 if max_tokens is not None and train.tokens >= max_tokens:
                     break
         if val_inputs:
@@ -353,7 +372,8 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
             tokenizer = os.path.abspath(tokenizer)
         write_atomic(os.path.join(stage, "token_bytes.bin"), token_byte_table(enc).tobytes())
         meta = {"tokenizer": tokenizer, "tokenizer_id": identity, "vocab_size": enc.n_vocab,
-                **({"tokenizer_source": hub, "model_vocab_size": model_vocab} if hub else {}),
+                **({"tokenizer_source": hub, "tokenizer_revision": tokenizer_revision, "model_vocab_size": model_vocab}
+                   if hub else {}),
                 "eot_token": enc.eot_token, "dtype": np.dtype(dtype).name, "train_tokens": train.tokens,
                 "val_tokens": val.tokens, "train_docs": train.docs, "val_docs": val.docs,
                 "inputs": inputs or [f"hf://{HUB_DATASET}/{HUB_CONFIG}"], "val_inputs": val_inputs,
@@ -362,6 +382,7 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
         write_atomic(os.path.join(stage, "meta.json"), json.dumps(meta, indent=2))
     print(f"wrote {out_dir}: {train.tokens:,} train tokens ({train.docs:,} docs), "
           f"{val.tokens:,} val tokens ({val.docs:,} docs), {np.dtype(dtype).name}, {time.time() - t0:.1f}s")
+    print(f"next: python train.py config/tiny.py --data_dir={out_dir}   (config/*.py: the paper's scales)")
     return meta
 
 
@@ -370,7 +391,7 @@ _ACTIVE = {}
 
 
 @contextmanager
-def staging(out_dir):
+def staging(out_dir, force=False):
     """A folder (out_dir/.incomplete) that one prepare writes every file into, under out_dir/prepare.lock (a second
     prepare into out_dir is refused, naming the first; train.py refuses the folder while it is held). When the body
     succeeds its files replace out_dir's, meta.json last (Ctrl-C and SIGTERM held off meanwhile); when it fails the
@@ -389,6 +410,13 @@ def staging(out_dir):
     _ACTIVE.clear()
     _ACTIVE.update(stage=stage, lock=lock, out_dir=out_dir, created=created)
     try:
+        existing = [n for n in ("train.bin", "val.bin", "meta.json") if os.path.exists(os.path.join(out_dir, n))]
+        if existing and not force:
+            raise FileExistsError(f"{out_dir} already holds {', '.join(existing)}: choose another --out_dir or pass "
+                                  "--force to replace them")
+        if existing and not written_here(out_dir):
+            raise FileExistsError(f"{out_dir} holds {', '.join(existing)} that prepare_data.py did not write (no "
+                                  "meta.json of its own): --force replaces only its own folders; choose another --out_dir")
         shutil.rmtree(stage, ignore_errors=True)   # (left by a prepare that was killed: its lock was stale)
         os.makedirs(stage)
         yield stage
@@ -406,6 +434,16 @@ def staging(out_dir):
     except BaseException:
         _discard()
         raise
+
+
+def written_here(out_dir):
+    """Did prepare_data.py write out_dir? Its meta.json (the tokenizer and counts it records) is the mark."""
+    try:
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            meta = json.load(f)
+        return isinstance(meta, dict) and {"tokenizer_id", "train_tokens"} <= meta.keys()
+    except (OSError, ValueError):
+        return False
 
 
 def _discard():
@@ -434,26 +472,57 @@ def _stop(signum, frame):
     os._exit(130 if signum == signal.SIGINT else 143)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", help="file, glob or directory of .jsonl[.gz|.xz]/.txt/.parquet; default: FineWeb-Edu from the Hub")
-    p.add_argument("--val_input", help="validation documents (same formats); default: every k-th input document")
-    p.add_argument("--out_dir", help="output folder (default data/<input name> or data/fineweb_edu)")
-    p.add_argument("--tokenizer", default="gpt2", help=f"tiktoken encoding ({', '.join(TOKENIZERS)}; default gpt2), "
-                   "the path of a Hugging Face tokenizer.json (e.g. of a model converted with convert.py), or a Hub "
-                   "model's name (Qwen/Qwen3-0.6B: the paper's; its tokenizer.json is fetched and kept in --out_dir)")
-    p.add_argument("--eot_token", default=None, help="a tokenizer.json's end-of-text token, written before every "
-                   "document (default: the first it has of " + ", ".join(HFTokenizer.EOT_NAMES) + ")")
-    p.add_argument("--max_tokens", type=lambda s: int(float(s.replace("_", ""))), default=100_000_000,
+class Inputs(Rule):
+    """The kind of --input and --val_input: a file, a folder or a glob that names at least one supported file."""
+
+    def describe(self):
+        return f"a file, a folder or a glob naming {'/'.join(SUFFIXES)} files"
+
+    def check(self, value):
+        if not isinstance(value, str) or not value.strip():
+            self.refuse()
+        try:
+            resolve_inputs(value)
+        except FileNotFoundError:
+            raise ValueError(f"names no {'/'.join(SUFFIXES)} file: it must be {self.describe()}") from None
+        return value
+
+
+def parser():
+    """prepare_data.py's options, each with its kind and range (options.py)."""
+    p = Parser(prog="prepare_data.py", description=__doc__)
+    p.add_argument("--input", type=Inputs(), help="file, glob or directory of .jsonl[.gz|.xz]/.txt/.parquet; default: "
+                   "FineWeb-Edu from the Hub")
+    p.add_argument("--val_input", type=Inputs(), help="validation documents (same formats); default: every k-th input "
+                   "document")
+    p.add_argument("--out_dir", type=Path("out_dir", absolute=False),
+                   help="output folder (default data/<input name> or data/fineweb_edu)")
+    p.add_argument("--tokenizer", type=Tokenizer(hub=True), default="gpt2", help=f"tiktoken encoding "
+                   f"({', '.join(TOKENIZERS)}; default gpt2), the path of a Hugging Face tokenizer.json (e.g. of a model "
+                   "converted with convert.py), or a Hub model's name (Qwen/Qwen3-0.6B: the paper's; its tokenizer.json is "
+                   "fetched and kept in --out_dir)")
+    p.add_argument("--tokenizer_revision", type=Text(), default=None, help="with a Hub model's --tokenizer: the "
+                   "branch, tag or commit to fetch it at (default: main; a commit pins it)")
+    p.add_argument("--eot_token", type=Text(), default=None, help="a tokenizer.json's end-of-text token, written before "
+                   "every document (default: the first it has of " + ", ".join(HFTokenizer.EOT_NAMES) + ")")
+    p.add_argument("--max_tokens", type=Count(1, 10**13), default=100_000_000,
                    help="stop after this many training tokens (default 100M; 1e9 style accepted)")
-    p.add_argument("--max_val_tokens", type=lambda s: int(float(s.replace("_", ""))), default=None,
-                   help="cap on validation tokens (default: none)")
-    p.add_argument("--val_fraction", type=float, default=0.01, help="held-out fraction of documents (default 0.01)")
-    p.add_argument("--text_field", default="text", help="field/column holding the text (default text)")
-    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPU count, at most 16)")
-    p.add_argument("--force", action="store_true", help="overwrite token files already in --out_dir")
+    p.add_argument("--max_val_tokens", type=Count(1, 10**13), default=None, help="cap on validation tokens (default: "
+                   "none)")
+    p.add_argument("--val_fraction", type=Real(0, 1, lo_open=True, hi_open=True), default=0.01,
+                   help="held-out fraction of documents (default 0.01)")
+    p.add_argument("--text_field", type=Text(), default="text", help="field/column holding the text (default text)")
+    p.add_argument("--workers", type=Count(1, 1024), default=None, help="encoding processes (default: CPU count, at "
+                   "most 16)")
+    p.add_argument("--force", action="store_true", help="replace the token files of a folder prepare_data.py wrote "
+                   "(never another folder's files)")
     p.add_argument("--verify", action="store_true", help="check --out_dir's token files against its meta.json, every "
                    "byte (SHA-256), and exit; train.py checks their sizes and sampled blocks at every start")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop)
@@ -464,6 +533,9 @@ def main(argv=None):
             prepare(**{k: v for k, v in vars(args).items() if k != "verify"})
     except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
         sys.exit(f"prepare_data.py: error: {e}")
+    except OSError as e:   # a full disk, a read-only folder: what was staged is gone (staging)
+        sys.exit(f"prepare_data.py: error: could not write {args.out_dir or 'the output folder'} ({e.strerror or e}); the "
+                 "partial files were removed and the folder holds what it held before")
 
 
 def verify(out_dir):

@@ -3,8 +3,8 @@ Sample text from a train.py checkpoint.
 
   python sample.py --out_dir=out/tiny --start="The meaning of life" --max_new_tokens=100
   python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --temperature=0     # greedy
+One sample streams its tokens as they come (--stream=False: printed when done); several are drawn as one batch.
 """
-import argparse
 import signal
 import sys
 from contextlib import nullcontext
@@ -15,21 +15,13 @@ if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing i
 import torch
 
 from checkpoint import load_model
-from common import check_device, run_script
-from tokenizer import checkpoint_tokenizer, load_tokenizer
+from common import run_script
+from options import Count, Device, Flag, Maybe, Parser, Path, Real, Seed, Text
+from tokenizer import Tokenizer, checkpoint_tokenizer
 
 
-def check_args(args):
-    """A ValueError naming the option, its value and the fix for any value generate cannot take; the prompt text."""
-    for name, least in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0)):
-        if getattr(args, name) < least:
-            raise ValueError(f"--{name}={getattr(args, name)} must be >= {least}"
-                             + (" (0: sample among all tokens)" if name == "top_k" else ""))
-    if not 0 <= args.temperature < float("inf"):   # also NaN
-        raise ValueError(f"--temperature={args.temperature} must be a finite number >= 0 (0: greedy)")
-    check_device(args.device)
-    if args.tokenizer:   # (the checkpoint's own is checked against its vocabulary once it loads)
-        load_tokenizer(args.tokenizer)
+def prompt_text(args):
+    """The prompt: --start's text, or the file FILE:path names (UTF-8), checked before the model loads."""
     if not args.start.startswith("FILE:"):
         return args.start
     path = args.start[5:]
@@ -44,22 +36,34 @@ def check_args(args):
         raise ValueError(f"--start=FILE:{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
 
 
+def parser():
+    """sample.py's options, each with its kind and range (options.py)."""
+    p = Parser(prog="sample.py", description=__doc__)
+    p.add_argument("--out_dir", type=Path("any", "a train.py out_dir or a ckpt.pt"), default="out",
+                   help="train.py out_dir (or a ckpt.pt path)")
+    p.add_argument("--start", type=Text(empty=True), default="\n",
+                   help='prompt text, or FILE:path to read it from a file (default "\\n")')
+    p.add_argument("--num_samples", type=Count(1, 1024), default=1, help="samples to draw (a batch)")
+    p.add_argument("--max_new_tokens", type=Count(1, 2**20), default=200, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=Real(0, 1e6), default=0.8, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top_k", type=Count(0, 2**24), default=200, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--device", type=Device(), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu | cuda | cuda:N")
+    p.add_argument("--seed", type=Seed(), default=1337, help="sampling seed")
+    p.add_argument("--tokenizer", type=Maybe(Tokenizer()), default=None,
+                   help="tiktoken name or tokenizer.json (default: the checkpoint's)")
+    p.add_argument("--stream", type=Flag(), default=True, help="print each token as it comes (one sample at a time)")
+    p.add_argument("--ema", action="store_true", help="sample from the checkpoint's EMA weights (train.py --ema_decay)")
+    return p
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", default="out", help="train.py out_dir (or a ckpt.pt path)")
-    p.add_argument("--start", default="\n", help='prompt text, or FILE:path to read it from a file (default "\\n")')
-    p.add_argument("--num_samples", type=int, default=1, help="samples to draw")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
-    p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens (0 = all)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--seed", type=int, default=1337, help="sampling seed")
-    p.add_argument("--tokenizer", default=None, help="tiktoken name or tokenizer.json (default: the checkpoint's)")
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)   # every option by its rule, before the model loads
     try:
-        start = check_args(args)   # every option, before the model loads
+        start = prompt_text(args)
         torch.manual_seed(args.seed)
-        model = load_model(args.out_dir, device=args.device)
+        model = load_model(args.out_dir, device=args.device, ema=args.ema,
+                           say=lambda line: print(f"sample.py: {line}", file=sys.stderr))
         enc, name = checkpoint_tokenizer(model.checkpoint_info, model.cfg.vocab_size, args.tokenizer)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"sample.py: error: {e}")
@@ -72,8 +76,23 @@ def main(argv=None):
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"
     ctx = torch.autocast(device_type, dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
+    stream = args.stream and args.num_samples == 1   # several samples are one batch: printed when done
+    printed = [enc.decode(ids)] if stream else None
+    if stream:
+        print(printed[0], end="", flush=True)
+
+    def show(idx):   # the text that the new token completes (a partial UTF-8 character waits for the next)
+        text = enc.decode(idx[0].tolist())
+        if not text.endswith("\ufffd") and text.startswith(printed[0]):
+            print(text[len(printed[0]):], end="", flush=True)
+            printed[0] = text
+        return False
     with ctx:
-        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
+        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                           stop=show if stream else None)
+    if stream:
+        print(enc.decode(y[0].tolist())[len(printed[0]):])
+        return
     for i, row in enumerate(y.tolist()):
         if i:
             print("-" * 40)

@@ -9,6 +9,8 @@ import os
 
 import numpy as np
 
+from options import Rule
+
 TOKENIZERS = ("gpt2", "cl100k_base", "o200k_base")
 GPT2_VOCABS = (50257, 50304)   # GPT-2's vocabulary, and train.py's padding of it to a multiple of 128
 
@@ -98,22 +100,23 @@ def is_hub_name(name):
     return "/" in name and not name.endswith(".json") and not os.path.exists(name) and name.count("/") == 1
 
 
-def hub_tokenizer(name):
-    """(local path of the tokenizer.json of Hub model `name`, the model's vocabulary size or None) through
-    huggingface_hub: its cache, else a download; offline, a RuntimeError naming the fix."""
+def hub_tokenizer(name, revision=None):
+    """(local path of the tokenizer.json of Hub model `name` at `revision` (a branch, tag or commit; None: main), the
+    model's vocabulary size or None) through huggingface_hub: its cache, else a download; offline, a RuntimeError
+    naming the fix."""
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
         raise RuntimeError(f"--tokenizer={name} names a Hugging Face model: pip install huggingface_hub, or pass a "
                            "local tokenizer.json") from None
     try:
-        path = hf_hub_download(name, "tokenizer.json")
+        path = hf_hub_download(name, "tokenizer.json", revision=revision)
     except Exception as e:   # offline, no such model, or a gated one: one line
         raise RuntimeError(f"--tokenizer={name}: could not fetch its tokenizer.json from the Hugging Face Hub "
                            f"({type(e).__name__}); offline, download it where the Hub is reachable and pass "
                            "--tokenizer=path/to/tokenizer.json") from None
     try:   # the model's own (padded) vocabulary, e.g. 151,936 for Qwen3: the paper trains at it
-        with open(hf_hub_download(name, "config.json")) as f:
+        with open(hf_hub_download(name, "config.json", revision=revision)) as f:
             vocab = json.load(f).get("vocab_size")
     except Exception:
         vocab = None
@@ -150,3 +153,26 @@ def token_byte_table(enc):
             except KeyError:   # an id the encoding leaves unused
                 pass
     return table
+
+
+class Tokenizer(Rule):
+    """The kind of a --tokenizer option (options.py): a tiktoken encoding by name, a tokenizer.json that exists
+    (resolved against the working directory), or with hub=True a Hugging Face model's name (owner/model)."""
+
+    def __init__(self, hub=False):
+        self.hub = hub
+
+    def describe(self):
+        return f"one of {', '.join(TOKENIZERS)}, an existing tokenizer.json" + (
+            ", or a Hugging Face model's name (owner/model)" if self.hub else "")
+
+    def check(self, value):
+        if not isinstance(value, str) or not value:
+            self.refuse()
+        if value in TOKENIZERS or (self.hub and is_hub_name(value)):
+            return value
+        path = os.path.abspath(os.path.expanduser(value))
+        if value.endswith(".json") and os.path.isfile(path):
+            return path
+        raise ValueError(("does not exist: it" if value.endswith(".json") else "") + f" must be {self.describe()}")
+

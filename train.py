@@ -4,6 +4,7 @@ Train a GPT with any residual mode (baseline | hyper | attnres | mhar | delta) o
   python train.py config/tiny.py --device=cpu                      # one process
   torchrun --standalone --nproc_per_node=8 train.py config/train_350m.py --residual=mhar
   python train.py -h                                               # every option with its default
+  python train.py --list[=out]                                     # the runs in a folder: step, loss, mode, state
 
 Options (configurator.py): the model's (model.GPTConfig) and training's (TrainConfig), then config files in order (plain
 Python assignments), then --key=value. The global batch is given in tokens; gradient accumulation is derived, so 1 and N
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, data_identity, git_revision, is_dtensor,
-                        keep_tokenizer, lock_out_dir, restore, save_checkpoint, start_point)
+                        keep_tokenizer, list_runs, lock_out_dir, restore, save_checkpoint, start_point)
 from common import lock_holder, run_script
 from configurator import MODEL_KEYS, horizon, parse_args, unused_options
 from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync_grads
@@ -184,6 +185,9 @@ def load_data(cfg, world, rank=0):
         fail(f"val.bin has {val_data.n_seq} sequences of {cfg.block_size} tokens, fewer than one eval batch "
              f"({per_micro}); lower micro_batch or block_size, or prepare more validation data")
     quiet = print if rank == 0 else (lambda line: None)
+    if n_eval * cfg.block_size < cfg.eval_tokens and "eval_tokens" in getattr(cfg, "explicit", ()):
+        quiet(f"train.py: eval_tokens={cfg.eval_tokens:,}: the fixed validation set is {n_eval} sequences of "
+              f"{cfg.block_size} ({n_eval * cfg.block_size:,} tokens), all that val.bin holds in whole eval batches")
     return Data(meta, train_data, val_data, seqs_per_step, seqs_per_step // per_micro, n_eval,
                 data_identity(meta, files), val_bytes_per_token(cfg.data_dir, meta, n_eval * cfg.block_size, quiet))
 
@@ -198,6 +202,8 @@ def resolve_start(cfg, data, master):
             lock_out_dir(cfg.out_dir)   # before anything in out_dir is read or moved
         except OutDirLocked as e:
             fail(e)
+        except OSError as e:   # a read-only or full disk, another user's folder: nothing was left there
+            fail(f"cannot write --out_dir={cfg.out_dir} ({e.strerror or e}): pick a folder this user can write")
     try:
         ckpt, init, model_cfg, model_source = start_point(cfg, data.meta, data.identity, master)
         return ckpt, init, GPTConfig.from_dict({**model_cfg, "routing_impl": cfg.routing_impl}), model_source
@@ -420,7 +426,21 @@ def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
 
 # ---- main ------------------------------------------------------------------------------------------------------------
 
+def list_main(folder):
+    """python train.py --list[=FOLDER]: the runs in FOLDER (default out/), one line each."""
+    if not os.path.isdir(folder):
+        fail(f"--list={folder}: no such folder")
+    rows = list_runs(folder)
+    print(f"{len(rows)} run(s) in {folder}" + (":" if rows else " (train.py --out_dir=... makes one)"))
+    for name, step, mode, loss, val, state in rows:
+        print(f"  {name:30s} step {step if step is not None else '-':>7} | {mode:8s} | loss "
+              f"{f'{loss:.4f}' if loss is not None else '-':>7} | val_loss {f'{val:.4f}' if val is not None else '-':>7} | "
+              f"{state}")
+
+
 def main(argv):
+    if argv[:1] and argv[0].split("=")[0] == "--list":
+        return list_main(argv[0].split("=", 1)[1] if "=" in argv[0] else "out")
     try:
         cfg = parse_args(argv, __doc__)
         Tracker.check(cfg)
@@ -496,6 +516,9 @@ def main(argv):
             log.flush()   # a new timing window after the eval
         if last:
             log.done(step)
+            if rt.master and cfg.save:
+                rt.say(f"next: python sample.py --out_dir={cfg.out_dir}  |  python eval.py --out_dir={cfg.out_dir}  |  "
+                       f"python export.py --out_dir={cfg.out_dir} --hf_dir=<a new folder>")
             break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step) * group.get("lr_scale", 1.0)

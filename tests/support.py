@@ -180,3 +180,21 @@ def write_tiny_tokenizer(path):
 
 
 EVAL = os.path.join(SHARED, "eval")
+
+
+def refusal(call):
+    """The one line a script ends with when it refuses its input (call: its main, in this process): sys.exit's
+    message, or what its parser (options.Parser) printed before exit status 2. Fails if the call was not refused."""
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            call()
+        except SystemExit as e:
+            code = e.code
+        else:
+            raise AssertionError("not refused")
+    said = err.getvalue().strip() if code == 2 else str(code)
+    assert code and "\n" not in said and "Traceback" not in said, said
+    return said

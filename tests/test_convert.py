@@ -17,7 +17,8 @@ import checkpoint
 import convert
 import eval as evaluate
 import prepare_data
-from support import HERE, HF_CONFIGS, launch_env, read_log, rel_err, together, write_hf_checkpoint, write_tiny_tokenizer
+from support import (HERE, HF_CONFIGS, launch_env, read_log, refusal, rel_err, together, write_hf_checkpoint,
+                     write_tiny_tokenizer)
 
 
 def corpus_gpt2(tmp_path, corpus):
@@ -146,18 +147,20 @@ def test_convert_names_a_truncated_or_corrupt_file(tmp_path):
         shutil.copytree(hf_dir, d)
         edit(d)
         cases.append((d, match))
-    cases.append((str(tmp_path / "nothing_here"), r"--hf_dir=.*nothing_here: no such folder"))
-    for d, match in cases:
-        out = os.path.join(d, "out")
-        with pytest.raises(SystemExit) as e:
-            convert.main([f"--hf_dir={d}", f"--out_dir={out}", "--num_blocks=2"])
-        assert re.search(match, str(e.value)), (match, e.value)
-        assert not os.path.exists(out)
-    with pytest.raises(SystemExit, match=r"--num_blocks=0 must be >= 1"):
-        convert.main([f"--hf_dir={hf_dir}", f"--out_dir={tmp_path / 'o'}", "--num_blocks=0"])
+    cases.append((str(tmp_path / "nothing_here"), r"--hf_dir=.*nothing_here does not exist"))
+    (tmp_path / "a_file").write_text("not a folder")   # an --out_dir that is a file: refused before any conversion
+    cases.append((hf_dir, r"--out_dir=.*a_file is a file: it must be a folder to write", str(tmp_path / "a_file")))
+    for d, match, *out in cases:
+        out = out[0] if out else os.path.join(d, "out")
+        said = refusal(lambda: convert.main([f"--hf_dir={d}", f"--out_dir={out}", "--num_blocks=2"]))
+        assert re.search(match, said), (match, said)
+        assert not os.path.exists(out) or os.path.isfile(out)
+    said = refusal(lambda: convert.main([f"--hf_dir={hf_dir}", f"--out_dir={tmp_path / 'o'}", "--num_blocks=0"]))
+    assert "--num_blocks=0 must be a whole number in [1, 1,024]" in said
     if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match=r"--device=cuda but CUDA is not available; use --device=cpu"):
-            convert.main([f"--hf_dir={hf_dir}", f"--out_dir={tmp_path / 'o'}", "--num_blocks=2", "--device=cuda"])
+        said = refusal(lambda: convert.main([f"--hf_dir={hf_dir}", f"--out_dir={tmp_path / 'o'}", "--num_blocks=2",
+                                             "--device=cuda"]))
+        assert "--device=cuda but CUDA is not available; use --device=cpu" in said
 
 
 def test_train_from_converted_checkpoint(tmp_path, corpus):

@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ import checkpoint
 import convert
 import eval as evaluate
 import export
-from support import HERE, HF_CONFIGS, launch_env, run_train, together, write_hf_checkpoint, write_tiny_tokenizer
+from support import (HERE, HF_CONFIGS, launch_env, refusal, run_train, together, write_hf_checkpoint,
+                     write_tiny_tokenizer)
 
 
 EXPORTS = {"baseline": ["--residual=baseline"], "attnres": ["--residual=attnres"], "mhar": ["--residual=mhar"],
@@ -77,8 +79,13 @@ if remote:   # the lengths the model's forward sees: the prompt, then one token 
     hf.model.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(args[0].size(1)), with_kwargs=True)
 cached = hf.generate(prompt, max_new_tokens=12, do_sample=False)
 uncached = hf.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+texts = ["The castle stood", "A", "Rain fell on the old stone bridge while"]   # padded on the left, as generation pads
+tok.padding_side = "left"
+new = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)   # (8 tokens each: no row ends early)
+batch = hf.generate(**tok(texts, return_tensors="pt", padding=True), **new)[:, -8:]
+alone = [hf.generate(**tok([t], return_tensors="pt"), **new)[0, -8:] for t in texts]
 torch.save({"type": type(hf).__name__, "logits": logits, "prompt": prompt, "cached": cached, "uncached": uncached,
-            "lengths": lengths[:12]}, "out.pt")
+            "lengths": lengths[:12], "padded": batch, "alone": torch.stack(alone)}, "out.pt")
 """
 
 
@@ -88,7 +95,7 @@ def test_export_loads_in_transformers(exported, name, tmp_path):
     module of this repository importable: the baseline as a stock Qwen3 model without remote code; every other mode
     through modeling_mhar.py and the modules copied beside it): its logits are this repository's within 1e-5 (fp32),
     generate() gives the same greedy 12-token continuation as GPT.generate, through model.py's KV cache (one new token
-    a forward after the prompt) and without it."""
+    a forward after the prompt) and without it; a batch of three prompts padded on the left continues each as alone."""
     ckpt_dir, hf_dir = exported[name]
     remote = name != "baseline"
     idx = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -106,6 +113,7 @@ def test_export_loads_in_transformers(exported, name, tmp_path):
     assert torch.equal(got["cached"], want) and torch.equal(got["uncached"], want), (got, want)
     if remote:
         assert got["lengths"] == [got["prompt"].size(1)] + [1] * 11, got["lengths"]
+    assert torch.equal(got["padded"], got["alone"]), (got["padded"], got["alone"])
 
 
 def test_export_tokenizer_is_the_checkpoints(exported):
@@ -192,17 +200,74 @@ def test_export_refusals(exported, tmp_path):
     for args, msg in (([f"--out_dir={junk}"], r"is not a torch.save archive"),
                       ([f"--out_dir={foreign}"], r"is not a checkpoint of this repository"),
                       ([f"--out_dir={tmp_path}"], r"no checkpoint there"),
-                      ([f"--out_dir={ckpt_dir}", f"--hf_dir={hf_dir}"], r"exists: pick another folder or pass --force"),
-                      ([f"--out_dir={ckpt_dir}", f"--hf_dir={ckpt_dir}", "--force"], r"must not be the checkpoint's own"),
+                      ([f"--out_dir={ckpt_dir}", f"--hf_dir={hf_dir}"], r"exists: pick another folder, or pass --force"),
+                      ([f"--out_dir={ckpt_dir}", f"--hf_dir={ckpt_dir}", "--force"], r"holds the checkpoint"),
                       ([f"--out_dir={cl100k}"], r"tokenizer 'cl100k_base': export writes GPT-2's or a tokenizer.json"),
                       ([f"--out_dir={odd}"], r"residual='mystery' is not one of"),
-                      ([f"--out_dir={ckpt_dir}", "--dtype=float16"], r"invalid choice: 'float16'")):
+                      ([f"--out_dir={ckpt_dir}", "--dtype=float16"], r"--dtype=float16 must be one of float32, bfloat16")):
         argv = args if any(a.startswith("--hf_dir") for a in args) else [*args, f"--hf_dir={target}"]
-        with pytest.raises(SystemExit) as e:
-            export.main(argv)
-        assert re.search(msg, str(e.value)) or e.value.code == 2, (args, e.value)
+        said = refusal(lambda: export.main(argv))
+        assert re.search(msg, said), (args, said)
         assert not target.exists() and not glob.glob(str(tmp_path / ".export-*"))
-    target.mkdir()
-    (target / "old.txt").write_text("a previous export")
+    shutil.copytree(hf_dir, target)   # an earlier export: --force replaces it whole
+    (target / "old.txt").write_text("a file of the previous export")
     export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={target}", "--force", "--dtype=bfloat16", "--check=False"])
     assert json.load(open(target / "config.json"))["dtype"] == "bfloat16" and not (target / "old.txt").exists()
+    assert oct(os.stat(target).st_mode & 0o777) == "0o755" and not glob.glob(str(tmp_path / ".replaced-*"))
+
+
+def test_export_force_never_deletes_what_it_did_not_write(exported, tmp_path):
+    """--force replaces an earlier export only: a parent of the checkpoint (with the run and a sibling run in it), or a
+    folder export.py did not write, is refused in one line and left as it was."""
+    ckpt_dir, _ = exported["baseline"]
+    out = tmp_path / "OUT"
+    shutil.copytree(ckpt_dir, out / "run1")
+    (out / "run2").mkdir()
+    (out / "run2" / "ckpt.pt").write_bytes(b"a sibling run")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not an export")
+    before = {p: os.path.getsize(p) for p in glob.glob(str(tmp_path / "**"), recursive=True) if os.path.isfile(p)}
+    for hf_dir, msg in ((out, "holds the checkpoint"), (mine, "export.py did not write it")):
+        said = refusal(lambda: export.main([f"--out_dir={out / 'run1'}", f"--hf_dir={hf_dir}", "--force",
+                                            "--check=False"]))
+        assert msg in said, said
+    assert before == {p: os.path.getsize(p) for p in glob.glob(str(tmp_path / "**"), recursive=True) if os.path.isfile(p)}
+
+
+def test_export_generates_in_lm_eval_batches_as_alone(exported):
+    """lm-evaluation-harness's HFLM pads its generation batches on the left: generate_until at batch size 3 gives each
+    of three prompts of different lengths the text it gets at batch size 1 (the attention mask honoured)."""
+    pytest.importorskip("lm_eval", reason="pip install lm-eval (requirements.txt)")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    _, hf_dir = exported["mhar"]
+    prompts = ["The castle stood on a hill", "A", "Rain fell on the old stone bridge while the town slept and"]
+    requests = [Instance("generate_until", {}, (p, {"until": ["\n\n\n"], "max_gen_toks": 6, "do_sample": False}), i)
+                for i, p in enumerate(prompts)]
+    texts = {}
+    for batch in (1, 3):
+        lm = HFLM(pretrained=hf_dir, trust_remote_code=True, batch_size=batch, device="cpu", dtype="float32")
+        texts[batch] = lm.generate_until(requests, disable_tqdm=True)
+    assert texts[3] == texts[1] and len(texts[1]) == 3, texts
+
+
+def test_export_folder_is_ready_to_share(exported):
+    """Every export: a model card (README.md: YAML metadata the Hub reads, the run's last validation loss, how to load
+    it, with trust_remote_code=True for the tokenizer too where the model needs it), no absolute path in its configs,
+    the folder readable by others (0755, as save_pretrained makes it)."""
+    import yaml
+    for name, (ckpt_dir, hf_dir) in exported.items():
+        card = open(os.path.join(hf_dir, "README.md")).read()
+        head, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+        meta = yaml.safe_load(head)
+        assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation", meta
+        assert meta["license"] == "other" and "mhar" in meta["tags"] and ("custom_code" in meta["tags"]) == (name != "baseline")
+        remote = name != "baseline"
+        assert ("AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)" in body) == remote, body
+        if name != "delta":   # (a converted model has no run of its own)
+            assert "validation loss" in body and "at step 4" in body, body
+        for f in ("config.json", "generation_config.json", "tokenizer_config.json"):   # (tokenizer.json: a vocabulary)
+            text = open(os.path.join(hf_dir, f)).read()
+            assert not re.search(r'"/[^"]', text) and os.path.expanduser("~") not in text, (f, text[:300])
+        assert oct(os.stat(hf_dir).st_mode & 0o777) == "0o755"

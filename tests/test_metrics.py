@@ -123,8 +123,9 @@ def test_routing_statistics_stay_within_the_fused_source_buffer():
 
 
 def test_wandb_log_offline_and_without_wandb(tmp_path, data_dir):
-    """--wandb_log=True with WANDB_MODE=offline writes a local run holding the step, eval and routing records (read
-    back from its file); without wandb installed: one line naming the fix, exit 1, nothing trained."""
+    """--wandb_log=True with WANDB_MODE=offline writes a local run holding the step, eval and routing records, per site
+    and head too (read back from its file); a resume continues the same W&B run (its id kept in out_dir); without wandb
+    installed: one line naming the fix, exit 1, nothing trained."""
     pytest.importorskip("wandb", reason="optional: pip install wandb (CI installs it)")
     from wandb.proto import wandb_internal_pb2
     fake = tmp_path / "no_wandb"
@@ -153,9 +154,16 @@ def test_wandb_log_offline_and_without_wandb(tmp_path, data_dir):
                 rows.setdefault(row["_step"], {}).update(row)
     assert sorted(rows) == [0, 1, 2, 3, 4]
     assert all({"loss", "grad_norm", "lr"} <= set(rows[s]) for s in (1, 2, 3, 4))
-    assert all({"val_loss", "val_bpb", "routing/entropy", "routing/w_first", "routing/entropy_site5"} <= set(rows[s])
+    assert all({"val_loss", "val_bpb", "routing/entropy", "routing/w_first", "routing/entropy_site5",
+                "routing_heads/entropy/site5/head0", "routing_heads/w_newest/site3/head0"} <= set(rows[s])
                for s in (0, 2, 4))
     log = [json.loads(line) for line in open(out / "log.jsonl")]
     assert rows[4]["val_loss"] == [x for x in log if "val_loss" in x][-1]["val_loss"]
+    run_id = (out / "wandb_run_id").read_text()   # a resumed run continues its own W&B run
+    r = run_train(str(out), data_dir, "--wandb_log=True", "--max_steps=6", "--eval_interval=2", "--route_heads=1",
+                  "--init_from=resume", env={"WANDB_MODE": "offline"})
+    assert r.returncode == 0 and (out / "wandb_run_id").read_text() == run_id, r.stderr[-2000:]
+    runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*")))
+    assert len(runs) == 2 and all(d.endswith("-" + run_id) for d in runs), runs
     assert m.returncode == 1 and "--wandb_log=True needs Weights & Biases: pip install wandb" in m.stderr
     assert "Traceback" not in m.stderr and not missing.exists()

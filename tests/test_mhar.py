@@ -208,6 +208,46 @@ def test_return_routing_shapes_and_sums(H):
         torch.testing.assert_close(alpha.sum(0), torch.ones(B, T, H))
 
 
+@pytest.mark.parametrize("residual,impl", [("baseline", "reference"), ("hyper", "reference"), ("mhar", "reference"),
+                                           ("mhar", "fused"), ("attnres", "reference"), ("delta", "reference")])
+def test_a_padded_batch_computes_each_row_alone(residual, impl):
+    """attention_mask (0 at padding, on the left or the right, Hugging Face's convention): each row's logits at its
+    tokens are the row's alone (its positions count its own tokens), and greedy generation through the KV cache with
+    the mask extended by each new token gives each row's own continuation (every residual mode, fp32)."""
+    if impl == "fused" and not rk.available(DEVICE):
+        pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    m = GPT(tiny_cfg(residual=residual, routing_impl=impl, num_blocks=2, **({"route_heads": 2} if residual == "delta"
+                                                                              else {}))).to(DEVICE).eval()
+    randomize_routing(m)
+    rows = [torch.randint(0, 96, (n,), device=DEVICE) for n in (5, 9, 7)]
+    with torch.no_grad():
+        for site in m.routing_sites():
+            if hasattr(site, "alpha"):
+                site.alpha.fill_(0.7)
+        alone = [m(r[None])[0][0] for r in rows]
+        for left in (False, True):   # (the left-padded batch last: generation below starts from it)
+            idx = torch.zeros(3, 9, dtype=torch.long, device=DEVICE)
+            mask = torch.zeros(3, 9, dtype=torch.long, device=DEVICE)
+            for i, r in enumerate(rows):
+                where = slice(9 - len(r), 9) if left else slice(0, len(r))
+                idx[i, where], mask[i, where] = r, 1
+            logits = m(idx, attention_mask=mask)[0]
+            for i, r in enumerate(rows):
+                got = logits[i, 9 - len(r):] if left else logits[i, :len(r)]
+                assert (got - alone[i]).abs().max().item() < 1e-5 * alone[i].abs().max().item(), (left, i)
+        want = [m.generate(r[None], 6, temperature=0, use_cache=False)[0, len(r):] for r in rows]
+        cache = KVCache(m, 3)
+        out = []
+        logits = m(idx, cache=cache, attention_mask=mask)[0]
+        for _ in range(6):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(nxt)
+            mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+            logits = m(nxt, cache=cache, attention_mask=mask)[0]
+        assert all(torch.equal(torch.cat(out, 1)[i], want[i]) for i in range(3))
+
+
 @pytest.mark.parametrize("residual,impl", [("baseline", "reference"), ("hyper", "reference"), ("attnres", "reference"),
                                            ("mhar", "reference"), ("mhar", "fused"), ("attnres", "fused"),
                                            ("delta", "reference"), ("delta", "fused")])
@@ -912,11 +952,12 @@ def test_no_module_imports_in_a_circle():
     assert "routing_block" not in graph["routing_kernel"] and "model" not in graph["routing_block"]
     # the floors: the ground floor knows nothing of the project; the model knows no files on disk; the data script is
     # a script (train.py and eval.py read its token files), not everyone's library
-    assert graph["common"] == set() and graph["tokenizer"] <= {"common"}
+    assert graph["common"] == set() and graph["options"] <= {"common"} and graph["tokenizer"] <= {"common", "options"}
     reach, todo = set(), ["model"]
     while todo:
         todo += [d for d in graph[todo.pop()] if d not in reach and not reach.add(d)]
-    assert not reach & {"checkpoint", "prepare_data", "common", "tokenizer", "metrics", "train", "configurator"}, reach
+    assert not reach & {"checkpoint", "prepare_data", "common", "options", "tokenizer", "metrics", "train",
+                        "configurator"}, reach
     assert sorted(n for n in graph if "prepare_data" in graph[n]) == ["eval", "train"]
 
 

@@ -173,3 +173,23 @@ def test_hub_offline_gives_the_local_input_hint(tmp_path, monkeypatch):
     assert not out.exists()
     with pytest.raises(RuntimeError, match=r"pass --data_root=DIR"):
         evaluate.load_task("lambada")
+
+
+def test_prepare_takes_its_lock_before_it_looks(tmp_path, corpus, monkeypatch):
+    """Two prepares into one new folder, the second started while the first runs, the first finishing between the
+    second's start and its lock (here: the first runs whole inside the second's call for the lock). The second finds
+    the folder full once it holds it, and is refused without --force; the first's files stand. (It used to look before
+    taking the lock, and replaced them.)"""
+    out = tmp_path / "d"
+    real = prepare_data.take_lock
+
+    def first_finishes_first(path, by):
+        monkeypatch.setattr(prepare_data, "take_lock", real)
+        prepare_data.prepare(input=corpus, out_dir=str(out), max_tokens=3000, workers=1)
+        return real(path, by)
+    monkeypatch.setattr(prepare_data, "take_lock", first_finishes_first)
+    with pytest.raises(FileExistsError, match="already holds train.bin, val.bin, meta.json"):
+        prepare_data.prepare(input=corpus, out_dir=str(out), max_tokens=2000, workers=1)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["train_tokens"] == 3000 and prepare_data.check_files(str(out), meta, full=True)
+    assert sorted(os.listdir(out)) == ["meta.json", "token_bytes.bin", "train.bin", "val.bin"]

@@ -27,42 +27,42 @@ from model import GPTConfig
 from support import HERE, kill_when_logged, read_docs, read_log, run_train, strict_log, together
 
 
-@pytest.mark.parametrize("argv,msg", [
+@pytest.mark.parametrize("argv,msg", [   # each option's rule (configurator.py's fields), then the rules between options
     (["--n_layers=3"], r"unknown option 'n_layers'.*did you mean n_layer"),
-    (["--max_steps=ten"], r"max_steps='ten' has type str, expected int"),
-    (["--compile=1"], r"compile=1 has type int, expected bool"),
+    (["--max_steps=ten"], r"max_steps='ten' must be a whole number in \[1, 1,000,000,000\]"),
+    (["--compile=1"], r"compile=1 must be True or False"),
     (["--lr"], r"write options as --key=value"),
-    (["--lr_schedule=cos"], r"lr_schedule='cos' is not one of cosine, linear, 1-sqrt"),
+    (["--lr_schedule=cos"], r"lr_schedule='cos' must be one of cosine, linear, 1-sqrt"),
     (["--n_embd=512", "--route_heads=3"], r"n_embd=512 must be divisible by route_heads=3"),
     (["no_such_config.py"], r"config file 'no_such_config.py' not found"),
-    (["--lr=-1"], r"lr=-1.0 must be a finite number > 0"),
-    (["--min_lr_ratio=2"], r"min_lr_ratio=2.0 must be a finite number in \[0, 1\]"),
-    (["--weight_decay=-0.1"], r"weight_decay=-0.1 must be a finite number >= 0"),
-    (["--grad_clip=-1"], r"grad_clip=-1.0 must be a finite number >= 0"),
-    (["--warmup_steps=-5"], r"warmup_steps=-5 must be a finite number >= 0"),
-    (["--beta2=1"], r"beta2=1.0 must be a finite number in \[0, 1\)"),
-    (["--device=gpu"], r"device='gpu' is not one of auto, cpu, cuda, cuda:N"),
-    (["--grad_sync=ddp"], r"grad_sync='ddp' is not one of after, overlap"),
-    (["--grad_bucket_mb=0"], r"grad_bucket_mb=0.0 must be a finite number > 0"),
-    (["--routing_lr_scale=0"], r"routing_lr_scale=0.0 must be a finite number > 0"),
+    (["--lr=-1"], r"lr=-1 must be a finite number in \(0, 1e\+06\]"),
+    (["--min_lr_ratio=2"], r"min_lr_ratio=2 must be a finite number in \[0, 1\]"),
+    (["--weight_decay=-0.1"], r"weight_decay=-0.1 must be a finite number in \[0, 10\]"),
+    (["--grad_clip=-1"], r"grad_clip=-1 must be a finite number in \[0, 1e\+06\]"),
+    (["--warmup_steps=-5"], r"warmup_steps=-5 must be a whole number in \[0, 1,000,000,000\]"),
+    (["--beta2=1"], r"beta2=1 must be a finite number in \[0, 1\)"),
+    (["--device=gpu"], r"device='gpu' must be auto, cpu, cuda or cuda:N"),
+    (["--grad_sync=ddp"], r"grad_sync='ddp' must be one of after, overlap"),
+    (["--grad_bucket_mb=0"], r"grad_bucket_mb=0 must be a finite number in \(0, 1e\+06\]"),
+    (["--routing_lr_scale=0"], r"routing_lr_scale=0 must be a finite number in \(0"),
     (["--route_init_std=0.02", "--residual=hyper"], r"route_init_std=0.02 is for attnres and mhar, not residual='hyper'"),
     (["--route_blocks=5"], r"route_blocks=5 must be a positive divisor of the 24 sublayers \(2 x n_layer=12\)"),
-    (["--route_blocks=0"], r"route_blocks=0 must be a positive divisor"),
+    (["--route_blocks=0"], r"route_blocks=0 must be a whole number in \[1, 2,048\]"),
     (["--route_blocks=2", "--residual=baseline"], r"route_blocks=2 is for attnres and mhar .*not residual='baseline'"),
     (["--route_blocks=2", "--residual=hyper"], r"route_blocks=2 is for attnres and mhar .*not residual='hyper'"),
     (["--route_blocks=2", "--residual=delta", "--num_blocks=4"], r"not residual='delta': drop it \(delta mode's blocks: num_blocks\)"),
     (["--keep_every=250"], r"keep_every=250 must be a multiple of eval_interval=500 .*e.g. --keep_every=500"),
-    (["--keep_every=-500"], r"keep_every=-500 must be a finite number >= 0"),
-    (["--route_scale=1e999"], r"route_scale=inf must be a finite number > 0"),       # inf is positive: finite is the rule
-    (["--routing_lr_scale=1e999"], r"routing_lr_scale=inf must be a finite number > 0"),
-    (["--lr=nan"], r"lr=nan must be a finite number > 0"),
+    (["--keep_every=-500"], r"keep_every=-500 must be a whole number in \[0, 1,000,000,000\]"),
+    (["--route_scale=1e999"], r"route_scale=inf must be a finite number in \(0"),       # inf is positive: finite is the rule
+    (["--routing_lr_scale=1e999"], r"routing_lr_scale=inf must be a finite number"),
+    (["--lr=nan"], r"lr=nan must be a finite number"),
     (["--ema_decay=1e999"], r"ema_decay=inf must be a finite number in \[0, 1\)"),
-    (["--lr_decay_steps=0"], r"lr_decay_steps=0 must be a finite number > 0, or -1 \(= max_steps\)"),
-    (["--rope_theta=-1"], r"rope_theta=-1.0 must be a finite number > 0"),
+    (["--lr_decay_steps=0"], r"lr_decay_steps=0 must be one of -1 or a whole number in \[1, 1,000,000,000\]"),
+    (["--rope_theta=-1"], r"rope_theta=-1 must be a finite number in \(0, 1e\+12\]"),
 ])
 def test_bad_train_options(argv, msg):
     with pytest.raises(ValueError, match=msg):
-        configurator.parse_args(argv)
+        configurator.parse_args(argv, paths=False)
 
 
 @pytest.mark.parametrize("argv,said", [
@@ -145,12 +145,20 @@ def test_bad_data_and_eval_tokens_are_one_line_errors(tmp_path, data_dir):
 
 
 def test_keep_every_keeps_checkpoints_through_a_resume(tmp_path, data_dir):
-    """--keep_every=10: the step-10, 20 and 30 checkpoints stay beside ckpt.pt / ckpt.prev.pt (second names of those
-    saves), a resume neither rotates nor replaces them, and each loads in sample.py, eval.py --probe and export.py."""
+    """--keep_every=10: the step-10, 20 and 30 checkpoints stay beside ckpt.pt / ckpt.prev.pt (copies of those saves,
+    files of their own: bytes damaged in ckpt.pt in place leave the kept copy whole), a resume neither rotates nor
+    replaces them, and each loads in sample.py, eval.py --probe and export.py."""
     out = tmp_path / "k"
     first = run_train(str(out), data_dir, "--max_steps=20", "--eval_interval=10", "--keep_every=10")
     assert first.returncode == 0 and "kept as" in first.stdout, first.stderr
     inode = os.stat(out / "ckpt-step10.pt").st_ino
+    assert inode != os.stat(out / "ckpt.prev.pt").st_ino and os.stat(out / "ckpt-step20.pt").st_ino != \
+        os.stat(out / "ckpt.pt").st_ino
+    with open(out / "ckpt.pt", "r+b") as f:   # damage in place (a disk, a stray write): the kept step-20 copy is whole
+        f.seek(os.path.getsize(out / "ckpt.pt") // 2)
+        f.write(b"\xff" * 64)
+    checkpoint.verify_checkpoint(str(out / "ckpt-step20.pt"))
+    shutil.copyfile(out / "ckpt-step20.pt", out / "ckpt.pt")   # (the resume below starts from whole bytes)
     resumed = run_train(str(out), data_dir, "--max_steps=30", "--eval_interval=10", "--keep_every=10",
                         "--init_from=resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -177,9 +185,14 @@ def test_a_hub_style_tokenizer_trains_and_an_offline_hub_name_fails(tmp_path, co
         vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(tmp_path / "tokenizer.json"))
-    monkeypatch.setattr(prepare_data, "hub_tokenizer", lambda name: (str(tmp_path / "tokenizer.json"), 640))
+    asked = []
+    monkeypatch.setattr(prepare_data, "hub_tokenizer", lambda name, revision: asked.append(revision) or (
+        str(tmp_path / "tokenizer.json"), 640))
     data = str(tmp_path / "qwenish")
-    meta = prepare_data.prepare(input=corpus, out_dir=data, tokenizer="Owner/Model-0.6B", max_tokens=20000, workers=1)
+    meta = prepare_data.prepare(input=corpus, out_dir=data, tokenizer="Owner/Model-0.6B", max_tokens=20000, workers=1,
+                                tokenizer_revision="abc123")   # a pinned revision: fetched at it, recorded
+    assert asked == ["abc123"] and meta["tokenizer_revision"] == "abc123"
+    assert "--tokenizer=Owner/Model-0.6B --tokenizer_revision=abc123" in prepare_data.remake_command(data, meta)
     assert meta["tokenizer"] == os.path.join(os.path.abspath(data), "tokenizer.json") and meta["model_vocab_size"] == 640
     assert meta["eot_token"] == tok.token_to_id("<|endoftext|>") == 0 and meta["tokenizer_source"] == "Owner/Model-0.6B"
     table = np.fromfile(os.path.join(data, "token_bytes.bin"), dtype=np.uint16)
@@ -211,11 +224,12 @@ def test_run_header_names_the_tree_without_git(monkeypatch):
 
 
 def test_train_options_parse():
-    cfg = configurator.parse_args([os.path.join(HERE, "config", "tiny.py"), "--lr=1e-3", "--route_heads=2", "--residual=baseline"])
+    cfg = configurator.parse_args([os.path.join(HERE, "config", "tiny.py"), "--lr=1e-3", "--route_heads=2",
+                                   "--residual=baseline"], paths=False)   # (its data_dir need not exist here)
     assert cfg.lr == 1e-3 and cfg.route_heads == 2 and cfg.residual == "baseline" and cfg.n_layer == 4
     assert isinstance(configurator.parse_args(["--lr=1"]).lr, float)
     for path in glob.glob(os.path.join(HERE, "config", "*.py")):
-        configurator.parse_args([path])   # every shipped config is valid
+        configurator.parse_args([path], paths=False)   # every shipped config is valid
 
 
 def test_training_loss_falls_and_sample(tmp_path, data_dir):
@@ -244,7 +258,7 @@ def test_training_loss_falls_and_sample(tmp_path, data_dir):
     assert s.returncode == 0 and s.stdout.startswith("The"), s.stderr
     assert r.returncode != 0 and "--init_from=resume" in r.stderr
     assert typo.returncode != 0
-    assert "init_from='resumee' is not scratch, resume, or the out_dir of convert.py" in typo.stderr
+    assert "init_from='resumee' must be one of scratch, resume or an existing file or folder" in typo.stderr
     # activation checkpointing recomputes sublayers: the same losses
     assert ac.returncode == 0, ac.stderr
     assert all(abs(read_log(ckpt_out)[0][s]["loss"] - steps[s]["loss"]) < 1e-5 for s in range(1, 6))
