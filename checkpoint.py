@@ -390,7 +390,8 @@ def start_point(cfg, meta, identity, master):
             raise ValueError(f"{ckpt_path} is a converted model (convert.py), not a run to continue: train from it with "
                  f"--init_from={cfg.out_dir} --out_dir=<a new folder>")
         old = {**asdict(Config()), **ckpt["train_config"]}   # an option newer than the checkpoint had its default
-        skip = RESUMABLE | (set(MODEL_KEYS) if ckpt.get("model_source", "config") != "config" else set())
+        # a model from a checkpoint (convert.py's) has that checkpoint's architecture; block_size stays the run's
+        skip = RESUMABLE | (set(MODEL_KEYS) - {"block_size"} if ckpt.get("model_source", "config") != "config" else set())
         diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in asdict(cfg).items() if k not in skip and old.get(k) != v]
         old_horizon = old["lr_decay_steps"] if old["lr_decay_steps"] > 0 else old["max_steps"]
         if old_horizon != horizon(cfg):
@@ -427,6 +428,10 @@ def start_point(cfg, meta, identity, master):
         raise ValueError(f"init_from={cfg.init_from!r} is not scratch, resume, or the out_dir of convert.py")
     init = read_checkpoint(path)
     refuse_ignored_architecture(cfg, init["model_config"], path)
+    if cfg.block_size > init["model_config"]["block_size"]:   # (its RoPE tables' length, its positions)
+        raise ValueError(f"--block_size={cfg.block_size} exceeds the block_size of the model in {path} "
+             f"({init['model_config']['block_size']}): train at most that long, or convert the model again with "
+             f"convert.py --block_size={cfg.block_size}")
     if init.get("tokenizer_id") is not None and meta["tokenizer_id"] != init["tokenizer_id"]:
         raise ValueError(f"{cfg.data_dir} was tokenized with {meta['tokenizer']!r} but the model in {path} uses "
              f"{init['tokenizer']!r}: prepare the data with --tokenizer set to the model's tokenizer (its tokenizer.json)")

@@ -291,12 +291,20 @@ class FusedDepthHistory:
 
     def __init__(self, router, sites, first_source):
         self.sites, self.j, self.gains = sites, 0, [s.gain() for s in sites]
-        self.chain = router.start(first_source, [s.q for s in sites], self.gains)
+        self.router, self.traced = router, torch.compiler.is_compiling()
+        if self.traced:   # torch.compile traces this pass: each site is an operator (routing_kernel.route_site)
+            self.training = torch.is_grad_enabled()
+        else:
+            self.chain = router.start(first_source, [s.q for s in sites], self.gains)
 
     def route(self, new_source):
         self.j += 1
-        site = self.sites[self.j - 1]
-        return self.chain.route(self.j, new_source, site.q, self.gains[self.j - 1])
+        site, gain = self.sites[self.j - 1], self.gains[self.j - 1]
+        if self.traced:   # (site 1 starts the pass with every site's queries and gains)
+            first = self.j == 1
+            return self.router.op(new_source, site.q, gain, [s.q for s in self.sites] if first else [],
+                                  self.gains if first else [], id(self.router), self.j, self.training)
+        return self.chain.route(self.j, new_source, site.q, gain)
 
 
 class BlockDepthHistory:
@@ -398,8 +406,10 @@ class GPT(nn.Module):
         self._route = route_reference        # the reference routing (compiled by compile_sublayers)
         self._head = self._head_impl
         self._paths = {}                     # (device type, dtype) -> "fused" | "reference": routing_path
-        self._router = None                  # routing_kernel.FusedRouter (fused_router), made on the first fused forward
-        self.routing_config = None           # routing_config.RoutingConfig of the fused kernels (None: config_for)
+        self._router = None                  # routing_kernel.FusedRouter (fused_router): the fused chains of passes
+        if cfg.residual in ("attnres", "mhar"):   # (made now: a compiled forward cannot make it)
+            self._router = fused_router(cfg.n_sites, cfg.heads, cfg.norm_eps, None, cfg.route_blocks)
+        self._routing_config = None          # routing_config.RoutingConfig of the fused kernels (None: config_for)
         self.routing_observer = None         # called as (site, stacked sources) at every reference-routed site
         self.checkpoint_sublayers = False    # activation checkpointing of every sublayer (never of routing)
         self.z_loss = 0.0                    # logit z-loss coefficient added to the training loss
@@ -513,9 +523,6 @@ class GPT(nn.Module):
         sites = self.routing_sites()
         fused = routing is None and self.routing_path(x.device, x.dtype) == "fused"
         if fused:   # block routing too (route_blocks: routing_block.py's chain)
-            if self._router is None:
-                self._router = fused_router(self.cfg.n_sites, self.cfg.heads, self.cfg.norm_eps, self.routing_config,
-                                            self.cfg.route_blocks)
             return FusedDepthHistory(self._router, sites, x)
         if self.cfg.route_blocks:
             return BlockDepthHistory(sites, 2 * self.cfg.n_layer // self.cfg.route_blocks,
@@ -600,11 +607,22 @@ class GPT(nn.Module):
                           f"routing (routing_impl='auto'): the reference PyTorch routing, since {why}")
         return self._paths[key]
 
+    @property
+    def routing_config(self):
+        """The fused kernels' launch settings (routing_config.RoutingConfig; None: config_for the width)."""
+        return self._routing_config
+
+    @routing_config.setter
+    def routing_config(self, config):
+        self._routing_config = config
+        if self._router is not None:   # the next pass's chain is made with it
+            self._router.config = config
+
     @staticmethod
     def _say(line):
-        """One line on stderr, once per process (rank 0 under torchrun)."""
+        """One line on stderr, once per process (rank 0 under torchrun; not while torch.compile traces)."""
         rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-        if line not in GPT._said and rank == 0:
+        if line not in GPT._said and rank == 0 and not torch.compiler.is_compiling():
             GPT._said.add(line)
             print(line, file=sys.stderr, flush=True)
 

@@ -37,6 +37,7 @@ sharing; ~10 more a site (the fp32 output written and read, s_n read again for d
 BENCHMARKS.md.
 """
 import weakref
+import zlib
 
 import torch
 
@@ -546,22 +547,98 @@ class _RouteSite(torch.autograd.Function):
 
 class FusedRouter:
     """One per model: start() returns a pass's chain, whose route() runs a site. config: a RoutingConfig (None:
-    config_for the width); chain: the chain class, RoutingChain or block routing's (model.fused_router chooses)."""
+    config_for the width); chain: the chain class, RoutingChain or block routing's (model.fused_router chooses). Its
+    id() names it to the operators below (ROUTERS)."""
 
     def __init__(self, n_sites, heads, eps, config=None, chain=RoutingChain):
         self.N, self.H, self.eps, self.config, self.make, self.chain = n_sites, heads, eps, config, chain, None
+        self.current = None   # the chain of the pass under way (the operators' implementations find it here)
+        self.op = getattr(torch.ops, NAMESPACE).route_site   # a site as an operator (torch.compile: see below)
+        ROUTERS[id(self)] = self
 
-    def start(self, x, queries=None, gains=None):
-        """The chain of a pass from x (B, T, d); queries, gains: every site's, in order (a training pass needs them)."""
+    def start(self, x, queries=None, gains=None, training=None):
+        """The chain of a pass from x (B, T, d); queries, gains: every site's, in order (a training pass needs them).
+        training: whether a backward will follow (None: grad mode says)."""
         (B, T, d), c = x.shape, self.chain
-        if not torch.is_grad_enabled():
+        if not (torch.is_grad_enabled() if training is None else training):
             c = self.make(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, False, self.config)
         elif c is not None and c.pending():
             raise RuntimeError("fused routing: a second forward started before the first forward's backward (one depth "
                                "history per model): call backward first, evaluate under torch.no_grad(), or use "
                                "routing_impl='reference'")
-        elif c is None or (c.M, c.d, c.dtype, c.R.device) != (B * T, d, x.dtype, x.device):
+        elif c is None or (c.M, c.d, c.dtype, c.R.device, c.config) != (B * T, d, x.dtype, x.device,
+                                                                         self.config or config_for(d, self.H)):
             self.chain = None   # free the old buffers before allocating new ones
             c = self.chain = self.make(self.N, B * T, d, self.H, self.eps, x.dtype, x.device, True, self.config)
         c.reset(queries, gains)
+        self.current = c
         return c
+
+
+# ---- the chain inside torch.compile: one operator a site --------------------------------------------------------------
+# A compiled region traces Python, and a chain's buffers and site order cannot be traced: there each site is an
+# operator (torch.library), opaque to the compiler, taking tensors and the integer that names its router; its
+# implementation runs the chain as route() does, and its backward is an operator too. model.FusedDepthHistory calls
+# these while torch.compile traces (torch.compile(model): 0 graph breaks for the fused routing) and route() otherwise:
+# the same kernels, without the operators' dispatch in eager steps.
+ROUTERS = weakref.WeakValueDictionary()   # id -> FusedRouter
+
+
+def _namespace():
+    """The operators' namespace: mhar for this file; a copy of it imported under another name (an exported folder's,
+    which transformers loads as a package of its own) or imported again registers its own, beside its own ROUTERS."""
+    base = "mhar" if __name__ == "routing_kernel" else f"mhar_{zlib.crc32(__name__.encode()):08x}"
+    ns, k = base, 1
+    while hasattr(getattr(torch.ops, ns), "route_site"):
+        ns, k = f"{base}_{k}", k + 1
+    return ns
+
+
+NAMESPACE = _namespace()
+
+
+@torch.library.custom_op(f"{NAMESPACE}::route_site", mutates_args=())
+def route_site(new_source: torch.Tensor, q: torch.Tensor, g: torch.Tensor, queries: list[torch.Tensor],
+               gains: list[torch.Tensor], router: int, j: int, training: bool) -> torch.Tensor:
+    """Site j of the pass of router `router`: RoutingChain.route's forward. Site 1 starts the pass with every site's
+    queries and gains (its backward returns their gradients)."""
+    r = ROUTERS[router]
+    c = r.start(new_source, queries, gains, training) if j == 1 else r.current
+    x = new_source.to(c.dtype).reshape(-1, c.d).contiguous()
+    return c.forward_site(j, x, q, g).view(new_source.shape).to(new_source.dtype)
+
+
+@route_site.register_fake
+def _(new_source, q, g, queries, gains, router, j, training):
+    return torch.empty_like(new_source)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::route_site_backward", mutates_args=())
+def route_site_backward(grad_out: torch.Tensor, q: torch.Tensor, g: torch.Tensor, queries: list[torch.Tensor],
+                        gains: list[torch.Tensor], router: int, j: int) -> list[torch.Tensor]:
+    """Site j's backward (RoutingChain.backward_site): the gradient of its new source, and at site 1 every site's dq
+    and dg after it."""
+    c = ROUTERS[router].current
+    ds, _, _, *deferred = c.backward_site(j, grad_out.reshape(-1, c.d), q, g)
+    return [ds.view(grad_out.shape).to(grad_out.dtype), *[t.clone() for t in deferred]]   # (rows of one tensor)
+
+
+@route_site_backward.register_fake
+def _(grad_out, q, g, queries, gains, router, j):
+    return [torch.empty_like(grad_out), *[torch.empty_like(t) for t in (*queries, *gains)]]
+
+
+def _setup_route_site(ctx, inputs, output):
+    new_source, q, g, queries, gains, router, j, training = inputs
+    ctx.save_for_backward(q, g, *queries, *gains)
+    ctx.router, ctx.j, ctx.n = router, j, len(queries)
+
+
+def _route_site_grad(ctx, grad_out):
+    q, g, *params = ctx.saved_tensors
+    ds, *deferred = getattr(torch.ops, NAMESPACE).route_site_backward(grad_out, q, g, params[:ctx.n], params[ctx.n:],
+                                                                      ctx.router, ctx.j)
+    return ds, None, None, list(deferred[:ctx.n]), list(deferred[ctx.n:]), None, None, None
+
+
+route_site.register_autograd(_route_site_grad, setup_context=_setup_route_site)

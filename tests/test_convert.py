@@ -178,9 +178,11 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
     cmd = [sys.executable, os.path.join(HERE, "train.py"), f"--data_dir={data}", f"--out_dir={out}", f"--init_from={conv}", *args]
     gpt2_data = corpus_gpt2(tmp_path, corpus)
 
+    longer = [{"--block_size=64": "--block_size=512", "--batch_tokens=512": "--batch_tokens=2048"}.get(a, a) for a in args]
+
     def run(*argv):
         return subprocess.run(list(argv), capture_output=True, text=True, env=launch_env())
-    r, bf16, gpt2, arch = together(   # the runs from the converted model, side by side
+    r, bf16, gpt2, arch, long = together(   # the runs from the converted model, side by side
         lambda: run(*cmd, "--max_steps=4", "--eval_interval=2"),
         # the single-GPU 8B setting of BENCHMARKS.md: bf16 weights and AdamW states, no checkpoint written
         lambda: run(*cmd[:3], f"--out_dir={out}_bf16", f"--init_from={conv}", *args, "--max_steps=2",
@@ -189,7 +191,9 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
         lambda: run(sys.executable, os.path.join(HERE, "train.py"), f"--data_dir={gpt2_data}", f"--out_dir={out}2",
                     f"--init_from={conv}", *args, "--max_steps=1"),
         # architecture options a converted model would ignore are refused (here when starting; below when resuming)
-        lambda: run(*cmd[:3], f"--out_dir={out}_arch", f"--init_from={conv}", *args, "--max_steps=8", "--n_layer=5"))
+        lambda: run(*cmd[:3], f"--out_dir={out}_arch", f"--init_from={conv}", *args, "--max_steps=8", "--n_layer=5"),
+        # sequences longer than the model's positions (max_position_embeddings 256) are refused before any step
+        lambda: run(*cmd[:3], f"--out_dir={out}_long", f"--init_from={conv}", *longer, "--max_steps=1"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "residual=delta" in r.stdout and "from " + os.path.join(conv, "ckpt.pt") in r.stdout
     assert '"n_layer"' not in r.stdout.split("config: ")[1].split("\n")[0]   # the ignored defaults are not shown
@@ -205,12 +209,18 @@ def test_train_from_converted_checkpoint(tmp_path, corpus):
     assert "compute bfloat16 (the weights' dtype" in bf16.stdout
     assert not os.path.exists(os.path.join(f"{out}_bf16", "ckpt.pt")) and sorted(read_log(f"{out}_bf16")[0]) == [1, 2]
     assert gpt2.returncode != 0 and "tokenized with 'gpt2'" in gpt2.stderr
+    assert long.returncode == 1 and "Traceback" not in long.stderr, long.stderr
+    assert "--block_size=512 exceeds the block_size of the model in" in long.stderr and "(256)" in long.stderr
     # resume continues it
     r = run(*cmd[:4], "--init_from=resume", *args, "--max_steps=6", "--eval_interval=2")
     assert r.returncode == 0, r.stdout + r.stderr
     resumed = run(*cmd[:3], f"--out_dir={out}", "--init_from=resume", *args, "--max_steps=8", "--n_layer=5")
     for r in (arch, resumed):
         assert r.returncode != 0 and "would be ignored: --n_layer=5 (checkpoint: 4)" in r.stderr, r.stderr
+    # the training length is the run's own, a converted model's architecture or not: a change is refused
+    shorter = [a.replace("--block_size=64", "--block_size=32") for a in args]
+    r = run(*cmd[:3], f"--out_dir={out}", "--init_from=resume", *shorter, "--max_steps=8")
+    assert r.returncode == 1 and "block_size: 64 -> 32" in r.stderr, r.stderr
     # the run keeps its tokenizer.json: the converted model's folder moved away, sample.py still reads it
     assert ckpt["tokenizer"] == "tokenizer.json" and filecmp.cmp(tok, os.path.join(out, "tokenizer.json"), shallow=False)
     os.rename(hf_dir, hf_dir + "_moved")

@@ -147,20 +147,23 @@ def test_export_of_a_baseline_converts_back(exported, tmp_path):
 
 
 def test_export_scores_in_lm_eval_as_eval_py(exported, eval_root):
-    """`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` on the local task files gives eval.py
-    --harness's LAMBADA accuracy and perplexity and WikiText perplexities on the same checkpoint."""
+    """`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` (the README's line, through the installed
+    console script, from another folder) on the local task files gives eval.py --harness's LAMBADA accuracy and
+    perplexity and WikiText perplexities on the same checkpoint."""
     pytest.importorskip("lm_eval", reason="pip install lm-eval (requirements.txt)")
     ckpt_dir, hf_dir = exported["mhar"]
     evaluate.main([f"--out_dir={ckpt_dir}", "--harness", f"--data_root={eval_root}", "--tasks=lambada_openai,wikitext",
                    "--limit=3", "--batch_size=4"])
     ours = json.load(open(os.path.join(ckpt_dir, "eval_harness.limit3.json")))
     out = os.path.join(os.path.dirname(hf_dir), "lm_eval_out")
-    r = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+    console = os.path.join(os.path.dirname(sys.executable), "lm_eval")   # the README's command: the console script,
+    assert os.path.isfile(console), console                               # run from another folder
+    r = subprocess.run([console, "--model", "hf", "--model_args",
                         f"pretrained={hf_dir},trust_remote_code=True,dtype=float32", "--tasks",
                         "lambada_openai_local,wikitext_local", "--include_path", os.path.join(HERE, "harness_tasks"),
                         "--metadata", json.dumps({"data_root": eval_root}), "--limit", "3", "--device", "cpu",
                         "--batch_size", "4", "--output_path", out], capture_output=True, text=True, timeout=600,
-                       env=launch_env())
+                       env=launch_env(), cwd=os.path.dirname(hf_dir))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     theirs = json.load(open(glob.glob(os.path.join(out, "**", "results_*.json"), recursive=True)[0]))["results"]
     lam, wiki = theirs["lambada_openai_local"], theirs["wikitext_local"]
@@ -271,3 +274,51 @@ def test_export_folder_is_ready_to_share(exported):
             text = open(os.path.join(hf_dir, f)).read()
             assert not re.search(r'"/[^"]', text) and os.path.expanduser("~") not in text, (f, text[:300])
         assert oct(os.stat(hf_dir).st_mode & 0o777) == "0o755"
+
+
+def test_export_stopped_by_sigterm_leaves_nothing(exported, tmp_path):
+    """SIGTERM while the folder is checked (a python -I process, seconds long): exit 143, one line, no staging folder
+    left beside --hf_dir, no --hf_dir."""
+    import signal
+    ckpt_dir, _ = exported["mhar"]
+    target = tmp_path / "stopped"
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "export.py"), f"--out_dir={ckpt_dir}", f"--hf_dir={target}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+    for line in p.stdout:   # the folder is staged and written; its check starts
+        if "checking the folder" in line:
+            assert glob.glob(str(tmp_path / ".export-*"))
+            p.send_signal(signal.SIGTERM)
+            break
+    rest, err = p.communicate(timeout=120)
+    assert p.returncode == 143, (rest, err)
+    assert err.strip().splitlines() == [f"export.py: stopped by SIGTERM; nothing was written ({target} is as it was)"]
+    assert not target.exists() and not glob.glob(str(tmp_path / ".export-*")), os.listdir(tmp_path)
+
+
+def test_ema_weights_where_the_checkpoint_has_them(tmp_path, data_dir):
+    """A run trained with --ema_decay holds EMA weights beside the raw ones: export.py --ema writes them (the card and
+    config.json say which), sample.py and eval.py take --ema too; without --ema the raw weights, with one line saying
+    the EMA is there; --ema on a checkpoint without one is refused in one line."""
+    from safetensors.torch import load_file
+    out = tmp_path / "ema_run"
+    r = run_train(str(out), data_dir, "--max_steps=4", "--eval_interval=4", "--ema_decay=0.5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    for ema, key in ((True, "ema"), (False, "model")):
+        hf = tmp_path / f"hf_{key}"
+        export.main([f"--out_dir={out}", f"--hf_dir={hf}", "--check=False", *(["--ema"] if ema else [])])
+        weights = load_file(str(hf / "model.safetensors"))
+        assert torch.equal(weights["model.routes.3.q"], ckpt[key]["routes.3.q"].float())
+        assert json.load(open(hf / "config.json"))["exported_from"]["weights"] == ("ema" if ema else "raw")
+        assert ("weights: ema" if ema else "weights: raw") in (hf / "README.md").read_text()
+    assert not torch.equal(ckpt["ema"]["routes.3.q"], ckpt["model"]["routes.3.q"])   # (the two differ: a real test)
+    said = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu",
+                           "--max_new_tokens=2"], capture_output=True, text=True, env=launch_env())
+    assert said.returncode == 0 and "also holds EMA weights" in said.stderr and "--ema takes the EMA" in said.stderr
+    took = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={out}", "--device=cpu",
+                           "--max_new_tokens=2", "--ema"], capture_output=True, text=True, env=launch_env())
+    assert took.returncode == 0 and "also holds EMA" not in took.stderr, took.stderr
+    plain = tmp_path / "plain"
+    assert run_train(str(plain), data_dir, "--max_steps=2", "--eval_interval=2").returncode == 0
+    assert "holds no EMA weights (its run trained without --ema_decay): drop --ema" in refusal(
+        lambda: export.main([f"--out_dir={plain}", f"--hf_dir={tmp_path / 'x'}", "--ema", "--check=False"]))

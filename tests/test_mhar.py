@@ -997,6 +997,35 @@ def test_fused_route_scale_matches_reference(residual):
                              **(dict(route_heads=2, gate=0.7) if residual == "delta" else {}))
 
 
+@pytest.mark.parametrize("kw", [dict(residual="mhar", route_heads=2), dict(residual="attnres"),
+                                dict(residual="mhar", route_heads=2, route_blocks=2)], ids=["mhar", "attnres", "blocks"])
+def test_fused_routing_traces_whole_under_torch_compile(kw):
+    """torch.compile(model) on a model with the fused routing (full, single head, block): each site is an operator
+    (routing_kernel.route_site), so torch._dynamo.explain finds one graph and no break, and a fullgraph compile
+    (aot_eager: AOTAutograd's forward and backward graphs) trains two steps with the loss and every gradient of the
+    eager fused path, bitwise."""
+    if not rk.available(DEVICE):
+        pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
+    import torch._dynamo
+    torch.manual_seed(0)
+    m = GPT(tiny_cfg(routing_impl="fused", n_embd=64, **kw)).to(DEVICE)
+    randomize_routing(m)
+    idx, y = (torch.randint(0, 96, (2, 16), device=DEVICE) for _ in range(2))
+    explained = torch._dynamo.explain(m)(idx, y)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        runs = []
+        for model in (m, compiled):
+            loss = model(idx, y)[1]
+            loss.backward()
+            runs.append((loss.detach(), [p.grad.clone() for p in m.parameters()]))
+            m.zero_grad()
+        (l1, g1), (l2, g2) = runs
+        assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
 # The README's "Changing the routing", done in a copy of the model's files: the logit scaled by 3 where the README says
 CHANGE_LOGIT = {
     "routing_call.py": [("        return r * dot\n", "        return 3.0 * r * dot\n"),

@@ -21,7 +21,7 @@ import eval as evaluate
 import export
 import prepare_data
 import sample
-from support import HERE, refusal
+from support import HERE, refusal, write_tiny_tokenizer
 
 
 def test_every_script_refuses_bad_inputs_in_one_line(tmp_path, eval_ckpt, monkeypatch, capsys):
@@ -88,6 +88,17 @@ def test_every_script_refuses_bad_inputs_in_one_line(tmp_path, eval_ckpt, monkey
     with pytest.raises(SystemExit) as e:
         common.run_script(interrupted, "eval.py", "; no results file was written")
     assert e.value.code == 130 and capsys.readouterr().err == "eval.py: stopped by Ctrl-C; no results file was written\n"
+
+
+def test_a_relative_tokenizer_path_is_read_from_the_working_directory(tmp_path, eval_ckpt):
+    """sample.py --tokenizer=sub/tokenizer.json run from a folder holding it reads that file, not one under the
+    checkpoint's folder (where there is none)."""
+    (tmp_path / "sub").mkdir()
+    write_tiny_tokenizer(str(tmp_path / "sub" / "tokenizer.json"))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={eval_ckpt['mhar']}", "--device=cpu",
+                        "--tokenizer=sub/tokenizer.json", "--max_new_tokens=2", "--num_samples=1"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and f"tokenizer: {tmp_path / 'sub' / 'tokenizer.json'}" in r.stderr, r.stderr
 
 
 def test_ctrl_c_in_a_running_script_is_one_line(tmp_path, eval_ckpt):

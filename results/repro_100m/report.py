@@ -8,7 +8,6 @@ delta is mode minus baseline at the same seed (same initialisation of the shared
 Runs whose log stops early (NAME.partial.log.jsonl) are shown with their last step and left out of the deltas.
 """
 import glob
-import json
 import os
 import re
 import statistics
