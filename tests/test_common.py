@@ -1,12 +1,15 @@
 """
-common.py: the one lock (train.lock, prepare.lock) and the process helpers.
+common.py: the one lock (train.lock, prepare.lock) and the process helpers; the floors the modules stand on.
 """
 
+import ast
+import glob
 import json
 import os
 import socket
 
 import common
+from support import HERE
 
 
 def test_lock_holder_reads_another_users_process_as_alive(tmp_path, monkeypatch):
@@ -22,3 +25,28 @@ def test_lock_holder_reads_another_users_process_as_alive(tmp_path, monkeypatch)
         assert (common.lock_holder(str(lock)) is not None) == alive and common.pid_alive(4242) == alive
     lock.write_text(json.dumps({"pid": 4242, "host": "another-host"}))
     assert common.lock_holder(str(lock))["pid"] == 4242
+
+
+def test_the_modules_import_in_floors():
+    """The repository's modules import one another without a cycle, an import inside a function counted too; model.py
+    and what it imports hold no file handling (checkpoint.py builds a model from a file, not the reverse), and the data
+    preparation is imported only by the two scripts that read token files."""
+    names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(HERE, "*.py"))}
+    imports = {}
+    for name in names:
+        tree = ast.parse(open(os.path.join(HERE, name + ".py")).read())
+        found = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        found |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        imports[name] = found & names - {name}
+
+    def closure(name, seen=()):
+        """The modules `name` reaches; a cycle through it fails the test where it is met."""
+        reach = set()
+        for dep in imports[name]:
+            assert dep not in seen and dep != name, f"an import cycle: {' -> '.join((*seen, name, dep))}"
+            reach |= {dep} | closure(dep, (*seen, name))
+        return reach
+    for name in sorted(names):
+        closure(name)
+    assert not closure("model") & {"checkpoint", "prepare_data", "documents", "common", "train", "configurator"}
+    assert sorted(n for n in names if "prepare_data" in imports[n]) == ["eval", "train"]
