@@ -208,23 +208,31 @@ def test_return_routing_shapes_and_sums(H):
         torch.testing.assert_close(alpha.sum(0), torch.ones(B, T, H))
 
 
-@pytest.mark.parametrize("residual,impl", [("baseline", "reference"), ("hyper", "reference"), ("mhar", "reference"),
-                                           ("mhar", "fused"), ("attnres", "reference"), ("delta", "reference")])
-def test_a_padded_batch_computes_each_row_alone(residual, impl):
-    """attention_mask (0 at padding, on the left or the right, Hugging Face's convention): each row's logits at its
-    tokens are the row's alone (its positions count its own tokens), and greedy generation through the KV cache with
-    the mask extended by each new token gives each row's own continuation (every residual mode, fp32)."""
+def live_model(residual, impl):
+    """A tiny model of this mode in eval mode, seeded, its routing live (random queries; delta's alpha at 0.7); the
+    test is skipped where the fused kernels cannot run."""
     if impl == "fused" and not rk.available(DEVICE):
         pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
     torch.manual_seed(0)
     m = GPT(tiny_cfg(residual=residual, routing_impl=impl, num_blocks=2, **({"route_heads": 2} if residual == "delta"
                                                                               else {}))).to(DEVICE).eval()
     randomize_routing(m)
-    rows = [torch.randint(0, 96, (n,), device=DEVICE) for n in (5, 9, 7)]
     with torch.no_grad():
         for site in m.routing_sites():
             if hasattr(site, "alpha"):
                 site.alpha.fill_(0.7)
+    return m
+
+
+@pytest.mark.parametrize("residual,impl", [("baseline", "reference"), ("hyper", "reference"), ("mhar", "reference"),
+                                           ("mhar", "fused"), ("attnres", "reference"), ("delta", "reference")])
+def test_a_padded_batch_computes_each_row_alone(residual, impl):
+    """attention_mask (0 at padding, on the left or the right, Hugging Face's convention): each row's logits at its
+    tokens are the row's alone (its positions count its own tokens), and greedy generation through the KV cache with
+    the mask extended by each new token gives each row's own continuation (every residual mode, fp32)."""
+    m = live_model(residual, impl)
+    rows = [torch.randint(0, 96, (n,), device=DEVICE) for n in (5, 9, 7)]
+    with torch.no_grad():
         alone = [m(r[None])[0][0] for r in rows]
         for left in (False, True):   # (the left-padded batch last: generation below starts from it)
             idx = torch.zeros(3, 9, dtype=torch.long, device=DEVICE)
@@ -255,16 +263,8 @@ def test_kv_cache_gives_the_uncached_logits(residual, impl):
     """Generation with the KV cache: a prefill, single tokens, a chunk after cached tokens and DecodeGraph's
     fixed-shape steps (run eagerly: the position on the device, the whole cache read under a mask) give the logits
     of the whole sequence run without a cache (fp32, every residual mode, fused routing in the interpreter, B = 3)."""
-    if impl == "fused" and not rk.available(DEVICE):
-        pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
-    torch.manual_seed(0)
-    m = GPT(tiny_cfg(residual=residual, routing_impl=impl, num_blocks=2, **({"route_heads": 2} if residual == "delta"
-                                                                              else {}))).to(DEVICE).eval()
-    randomize_routing(m)
+    m = live_model(residual, impl)
     with torch.no_grad():
-        for site in m.routing_sites():
-            if hasattr(site, "alpha"):
-                site.alpha.fill_(0.7)
         seq = torch.randint(0, 96, (3, 24), device=DEVICE)
         full, _ = m(seq)
         cache = KVCache(m, 3)
