@@ -2,9 +2,11 @@
 # the commit before it) against this tree. (1) at every tuned width and two untuned, the chain's output and every
 # gradient bitwise equal, bf16 and fp32, full routing and block routing (n = 8 where it divides); (2) the chain's GPU
 # time (CUDA-graph replay, the better of two readings each, order before, after, after, before) at 12 widths;
-# (3) whether the direct launcher pays where training replays CUDA graphs: bench.py's step, every variant, with the
-# launcher on and off (routing_config.DEFAULT's `direct`), alternating, at the scales named, in R rounds.
-#   python results/redesign4/ab.py BEFORE_DIR OUT.json [--rounds=R] [--skip-chain] [SCALE ...]
+# (3) bench.py's step, every variant, both trees at their defaults, alternating, at the scales named, in R rounds: the
+# ratios to the baseline before and after; (4) whether the direct launcher pays where training replays CUDA graphs:
+# the same step with the launcher on and off (routing_config.DEFAULT's `direct`), alternating.
+#   python results/redesign4/ab.py BEFORE_DIR OUT.json [--rounds=R] [--skip-bitwise] [--skip-chain] [--skip-trees]
+#       [--skip-launcher] [SCALE ...]
 import dataclasses
 import importlib
 import json
@@ -79,12 +81,44 @@ for d, H, B, T in ([] if "--skip-chain" in sys.argv else SHAPES):
           flush=True)
     json.dump(record, open(out, "w"), indent=1)
 
-# (3) the step with the direct launcher on and off (this tree), each variant against its own round's baseline
 VARIANTS = ("baseline", "mhar_fused", "attnres_fused", "mhar_block8")
+
+
+def ratios_of(rows, key, keys, scale):
+    """Each variant's tok/s over its round's baseline, for every value of `key` in `keys`: {k: {variant: [ratios]}}."""
+    out = {k: {v: [] for v in VARIANTS[1:]} for k in keys}
+    for k in keys:
+        for r in range(rounds):
+            got = {x["variant"]: x["tok_s"] for x in rows if (x[key], x["scale"], x["round"]) == (k, scale, r)}
+            for v in VARIANTS[1:]:
+                out[k][v].append(got[v] / got["baseline"])
+    return out
+
+
+def say_ratios(scale, label, ratios):
+    print(f"ratio {scale} {label} " + ", ".join(
+        f"{v} {sum(x) / len(x):.4f}x (rounds {', '.join(f'{y:.3f}' for y in x)})" for v, x in ratios.items()), flush=True)
+
+
+# (3) both trees' steps at their defaults (the ratios to the baseline before and after), the order alternating by round
+record["trees"] = []
+for i, (r, scale) in enumerate((r, s) for r in range(rounds) for s in ([] if "--skip-trees" in sys.argv else scales)):
+    for name in (("before", "after") if i % 2 == 0 else ("after", "before")):
+        bench = use(before if name == "before" else after)["bench"]
+        for variant in VARIANTS:
+            row = bench.bench_one(scale, variant, "cuda", 20, 5, True, bench.PAPER_VOCAB, None, True)
+            record["trees"].append(dict(tree=name, round=r, **row))
+            print(f"tree {scale} {variant:14s} {name:6s} {row['tok_s']:>10,.0f} tok/s {row['step_ms']:7.2f} ms", flush=True)
+            json.dump(record, open(out, "w"), indent=1)
+for scale in ([] if "--skip-trees" in sys.argv else scales):
+    for name, ratios in ratios_of(record["trees"], "tree", ("before", "after"), scale).items():
+        say_ratios(scale, name, ratios)
+
+# (4) the step with the direct launcher on and off (this tree), each variant against its own round's baseline
 tree = use(after)
 rc, bench = tree["routing_config"], tree["bench"]
 default = rc.DEFAULT
-for i, (r, scale) in enumerate((r, s) for r in range(rounds) for s in scales):
+for i, (r, scale) in enumerate((r, s) for r in range(rounds) for s in ([] if "--skip-launcher" in sys.argv else scales)):
     for direct in ((True, False) if i % 2 == 0 else (False, True)):
         rc.DEFAULT = dataclasses.replace(default, direct=direct)   # config_for builds every width's entry on it
         for variant in VARIANTS:
@@ -94,16 +128,8 @@ for i, (r, scale) in enumerate((r, s) for r in range(rounds) for s in scales):
                   flush=True)
             json.dump(record, open(out, "w"), indent=1)
 rc.DEFAULT = default
-for scale in scales:
-    for direct in (True, False):
-        ratios = {v: [] for v in VARIANTS[1:]}
-        for r in range(rounds):
-            rows = {x["variant"]: x["tok_s"] for x in record["step"]
-                    if (x["direct"], x["scale"], x["round"]) == (direct, scale, r)}
-            for v in ratios:
-                ratios[v].append(rows[v] / rows["baseline"])
-        print(f"ratio {scale} direct={direct!s:5s} " + ", ".join(
-            f"{v} {sum(x) / len(x):.4f}x (rounds {', '.join(f'{y:.3f}' for y in x)})" for v, x in ratios.items()),
-            flush=True)
+for scale in ([] if "--skip-launcher" in sys.argv else scales):
+    for direct, ratios in ratios_of(record["step"], "direct", (True, False), scale).items():
+        say_ratios(scale, f"direct={direct!s:5s}", ratios)
 json.dump(record, open(out, "w"), indent=1)
 print("done", flush=True)
