@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from common import LockHeld, release_lock, take_lock
+from common import LockHeld, handle_signals, release_lock, take_lock
 from configurator import MODEL_KEYS, RESUMABLE, Config, horizon
 from model import GPT, GPTConfig
 
@@ -560,8 +560,7 @@ class StopSignals:
 
     def __init__(self):
         self.signum = None
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, self._handle)
+        handle_signals(self._handle, signal.SIGTERM, signal.SIGINT)
 
     def _handle(self, signum, frame):
         if self.signum is not None:

@@ -1,15 +1,18 @@
 """
 The ground floor: what every script needs and nothing of this project's own (nanochat's common.py). A script's entry
-point (run_script), its --device check, atomic writes, whether a process is alive, and the one lock that keeps a
+point (run_script), the signal handlers a main installs for its own run only (handle_signals, keeps_signals), its
+--device check, atomic writes, whether a process is alive, and the one lock that keeps a
 folder to one writer (train.py's train.lock, prepare_data.py's prepare.lock). The standard library only (torch
 inside check_device); it imports no other file of the repo.
 """
+import functools
 import json
 import os
 import re
 import signal
 import socket
 import sys
+import threading
 import time
 
 
@@ -22,6 +25,28 @@ def run_script(main, name, note=""):
     except KeyboardInterrupt:
         print(f"{name}: stopped by Ctrl-C{note}", file=sys.stderr)
         sys.exit(130)
+
+
+def handle_signals(handler, *signums):
+    """`handler` for `signums`, on the main thread only: Python takes handlers there alone, and a main called from
+    another thread runs without them (its stop is the caller's)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in signums:
+            signal.signal(s, handler)
+
+
+def keeps_signals(main):
+    """A script's main that installs signal handlers (handle_signals) for its run: called from other code (a notebook,
+    a test, a script of one's own), it leaves SIGINT and SIGTERM as it found them, however it ends."""
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return main(*args, **kwargs)
+        finally:
+            for s, h in before.items():   # None: a handler not set from Python, which Python cannot put back
+                handle_signals(signal.SIG_DFL if h is None else h, s)
+    return wrapped
 
 
 def check_device(device):

@@ -34,7 +34,7 @@ import torch
 
 from convert import NAMES
 from checkpoint import load_model
-from common import run_script
+from common import handle_signals, keeps_signals, run_script
 from options import Choice, Device, Flag, Parser, Path, Text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -298,11 +298,12 @@ class Stopped(Exception):
     """SIGTERM during an export: the temporary folder is removed on the way out."""
 
 
+@keeps_signals
 def main(argv=None):
     args = parser().parse_args(argv)   # every option by its rule, before anything loads
     def stop(signum, frame):
         raise Stopped
-    signal.signal(signal.SIGTERM, stop)
+    handle_signals(stop, signal.SIGTERM)
     try:
         path = os.path.join(args.out_dir, "ckpt.pt") if os.path.isdir(args.out_dir) else args.out_dir
         check_target(args.hf_dir, os.path.abspath(path), args.force)

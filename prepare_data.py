@@ -34,7 +34,7 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from common import LockHeld, release_lock, take_lock, write_atomic
+from common import LockHeld, handle_signals, keeps_signals, release_lock, take_lock, write_atomic
 from documents import HUB_CONFIG, HUB_DATASET, Inputs, hub_documents, read_documents, resolve_inputs
 from options import Count, Parser, Path, Real, Text
 from tokenizer import (HFTokenizer, TOKENIZERS, Tokenizer, hub_tokenizer, is_hub_name, load_tokenizer, token_byte_table,
@@ -411,11 +411,11 @@ def parser():
     return p
 
 
+@keeps_signals
 def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _stop)
+    handle_signals(_stop, signal.SIGINT, signal.SIGTERM)
     try:
         if args.verify:
             verify(args.out_dir)

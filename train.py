@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, data_identity, git_revision, is_dtensor,
                         keep_tokenizer, list_runs, lock_out_dir, restore, save_checkpoint, start_point)
-from common import lock_holder, run_script
+from common import keeps_signals, lock_holder, run_script
 from configurator import MODEL_KEYS, horizon, parse_args, unused_options
 from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync_grads
 from metrics import StepLog, Tracker, routing_statistics, val_bytes_per_token
@@ -438,6 +438,7 @@ def list_main(folder):
               f"{state}")
 
 
+@keeps_signals
 def main(argv):
     if argv[:1] and argv[0].split("=")[0] == "--list":
         return list_main(argv[0].split("=", 1)[1] if "=" in argv[0] else "out")

@@ -50,3 +50,39 @@ def test_the_modules_import_in_floors():
         closure(name)
     assert not closure("model") & {"checkpoint", "prepare_data", "documents", "common", "train", "configurator"}
     assert sorted(n for n in names if "prepare_data" in imports[n]) == ["eval", "train"]
+
+
+def test_a_main_called_from_code_puts_the_callers_signal_handlers_back(tmp_path, data_dir):
+    """train.py, export.py and prepare_data.py install SIGINT / SIGTERM handlers for their run (a checkpoint, the
+    staged files removed); a main called from a notebook or one's own code puts the caller's back however it ends (a
+    run, a refusal), and from a thread other than the main one it runs without them rather than failing."""
+    import signal
+    import threading
+
+    import export
+    import prepare_data
+    import train
+    from support import TRAIN_ARGS, refusal
+    (tmp_path / "run").mkdir()
+    (tmp_path / "taken").mkdir()
+    calls = {"train.py": lambda: train.main([f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", *TRAIN_ARGS,
+                                             "--max_steps=2", "--eval_interval=2", "--save=False"]),
+             "export.py": lambda: refusal(lambda: export.main([f"--out_dir={tmp_path / 'run'}",
+                                                               f"--hf_dir={tmp_path / 'taken'}"])),
+             "prepare_data.py": lambda: refusal(lambda: prepare_data.main(["--verify", f"--out_dir={tmp_path}"]))}
+    mine = {signal.SIGINT: lambda signum, frame: None, signal.SIGTERM: lambda signum, frame: None}
+    before = {s: signal.signal(s, h) for s, h in mine.items()}
+    try:
+        for name, call in calls.items():
+            call()
+            assert {s: signal.getsignal(s) for s in mine} == mine, name
+        said = {}   # the refusals again, from another thread: the same lines, no "signal only works in main thread"
+        for name in ("export.py", "prepare_data.py"):
+            t = threading.Thread(target=lambda n=name: said.__setitem__(n, calls[n]()))
+            t.start()
+            t.join()
+        assert "exists: pick another folder" in said.get("export.py", ""), said
+        assert "--verify needs" in said.get("prepare_data.py", ""), said
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
