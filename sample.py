@@ -77,9 +77,7 @@ def main(argv=None):
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"
     ctx = torch.autocast(device_type, dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
     stream = args.stream and args.num_samples == 1   # several samples are one batch: printed when done
-    printed = [enc.decode(ids)] if stream else None
-    if stream:
-        print(printed[0], end="", flush=True)
+    printed = [""] if stream else None   # the prompt comes with the first token: after the notes of the first forward
 
     def show(idx):   # the text that the new token completes (a partial UTF-8 character waits for the next)
         text = enc.decode(idx[0].tolist())

@@ -238,3 +238,21 @@ def test_probe_kl_maps_and_plots(eval_ckpt, eval_root, tmp_path):
                    + json.dumps({"step": 10, "val_loss": 4.2}) + "\n")
     evaluate.main(["--plot", str(log), f"--output={tmp_path / 'c.png'}"])
     assert os.path.getsize(tmp_path / "c.png") > 1000
+
+
+def test_sample_streams_the_same_text_after_its_notes(eval_ckpt):
+    """sample.py streams the text it prints when done (the same seed: the same tokens), and the notes of the first
+    forward (stderr: which routing runs) come before the prompt, not inside the text on a terminal."""
+    import subprocess
+    import sys
+
+    from support import HERE, launch_env
+    run = lambda *extra, **kw: subprocess.run(  # noqa: E731
+        [sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={eval_ckpt['mhar']}", "--device=cpu",
+         "--start=The quick", "--max_new_tokens=8", "--seed=1", *extra], text=True, env=launch_env(), timeout=300, **kw)
+    streamed, whole = run(capture_output=True), run("--stream=False", capture_output=True)
+    assert streamed.returncode == whole.returncode == 0, (streamed.stderr, whole.stderr)
+    assert streamed.stdout == whole.stdout and streamed.stdout.startswith("The quick"), (streamed.stdout, whole.stdout)
+    merged = run(stdout=subprocess.PIPE, stderr=subprocess.STDOUT).stdout   # as a terminal shows both
+    assert "routing (routing_impl='auto')" in merged, merged
+    assert merged.index("routing (routing_impl='auto')") < merged.index("The quick"), merged
