@@ -103,6 +103,8 @@ class Scorer:
         self.model, self.block_size, self.batch_size, self.device = model, block_size, batch_size, device
         device_type = "cuda" if str(device).startswith("cuda") else "cpu"
         self.autocast = torch.autocast(device_type, dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
+        with torch.no_grad(), self.autocast:   # one token first: the first forward's notes (which routing runs) come
+            model(torch.zeros(1, 1, dtype=torch.long, device=device))   # before a progress bar, not inside its line
 
     @torch.no_grad()
     def score(self, requests, desc=None):
