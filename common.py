@@ -1,9 +1,9 @@
 """
 The ground floor: what every script needs and nothing of this project's own (nanochat's common.py). A script's entry
 point (run_script), the signal handlers a main installs for its own run only (handle_signals, keeps_signals), its
---device check, atomic writes, whether a process is alive, and the one lock that keeps a
-folder to one writer (train.py's train.lock, prepare_data.py's prepare.lock). The standard library only (torch
-inside check_device); it imports no other file of the repo.
+--device check, atomic writes, whether a process is alive, and the one lock that keeps a folder to one writer
+(train.py's train.lock, prepare_data.py's prepare.lock). The standard library only (torch inside check_device); it
+imports no other file of the repo.
 """
 import functools
 import json
