@@ -52,7 +52,7 @@ import graphs
 import routing_kernel as rk
 import train
 from bench_routing import header, time_chain, write_json
-from common import run_script
+from common import keeps_signals, run_script
 from options import Choice, Count, Counts, Device, Flag, Names, Parser, Path, Real
 from metrics import mfu
 from model import GPT, GPTConfig, route_reference
@@ -265,6 +265,7 @@ def add_step_options(p):
                    "(paper: 151,936)")
 
 
+@keeps_signals
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     modes = {"routing": bench_routing.main, "generate": generate_main, "ddp": ddp_main}   # 2-4: pages of their own

@@ -36,8 +36,8 @@ def handle_signals(handler, *signums):
 
 
 def keeps_signals(main):
-    """A script's main that installs signal handlers (handle_signals) for its run: called from other code (a notebook,
-    a test, a script of one's own), it leaves SIGINT and SIGTERM as it found them, however it ends."""
+    """Every script's main: the handlers it installs (handle_signals) are for its run; called from other code (a
+    notebook, a test, a script of one's own), it leaves SIGINT and SIGTERM as it found them, however it ends."""
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
         before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

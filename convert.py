@@ -24,7 +24,7 @@ import torch
 
 from checkpoint import read_checkpoint, verify_checkpoint
 from model import GPT, GPTConfig
-from common import run_script
+from common import keeps_signals, run_script
 from options import Choice, Count, Device, Parser, Path
 from tokenizer import Tokenizer, load_tokenizer, tokenizer_id
 
@@ -234,6 +234,7 @@ def converted_here(path):
         return False
 
 
+@keeps_signals
 def main(argv=None):
     args = parser().parse_args(argv)   # every option by its rule, before anything loads
     t0 = time.time()

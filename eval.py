@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import load_model as checkpoint_model, read_log
-from common import run_script, write_atomic
+from common import keeps_signals, run_script, write_atomic
 from options import Count, Device, Parser, Path, Text
 from prepare_data import TokenData, check_files
 from tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer
@@ -587,6 +587,7 @@ def parser():
     return p
 
 
+@keeps_signals
 def main(argv=None):
     p = parser()
     args = p.parse_args(argv)

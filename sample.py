@@ -15,7 +15,7 @@ if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing i
 import torch
 
 from checkpoint import load_model
-from common import run_script
+from common import keeps_signals, run_script
 from options import Count, Device, Flag, Maybe, Parser, Path, Real, Seed, Text
 from tokenizer import Tokenizer, checkpoint_tokenizer
 
@@ -57,6 +57,7 @@ def parser():
     return p
 
 
+@keeps_signals
 def main(argv=None):
     args = parser().parse_args(argv)   # every option by its rule, before the model loads
     try:

@@ -86,3 +86,31 @@ def test_a_main_called_from_code_puts_the_callers_signal_handlers_back(tmp_path,
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+def test_every_handler_goes_through_common_and_every_main_puts_them_back():
+    """The class behind the test above, read from the sources: a signal handler is installed through
+    common.handle_signals (signal.signal itself only in common.py, under a script's `if __name__ == "__main__"`, or
+    in prepare_data.py's pool worker, a process of its own), and every script's main is wrapped in
+    common.keeps_signals, so a handler any main comes to install is put back as the caller had it."""
+    def is_main_guard(node):
+        return isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+
+    scripts = set()
+    for path in sorted(glob.glob(os.path.join(HERE, "*.py"))):
+        name = os.path.basename(path)
+        tree = ast.parse(open(path).read())
+        allowed = set()
+        for node in tree.body:
+            if is_main_guard(node) or (name == "prepare_data.py" and getattr(node, "name", "") == "_init_worker"):
+                allowed |= {id(n) for n in ast.walk(node)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and ast.unparse(n.func) == "signal.signal":
+                assert name == "common.py" or id(n) in allowed, \
+                    f"{name}:{n.lineno} installs a handler with signal.signal: use common.handle_signals in a main"
+        if any(is_main_guard(node) for node in tree.body):
+            scripts.add(name)
+            main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+            assert "keeps_signals" in [ast.unparse(d) for d in main.decorator_list], \
+                f"{name}: its main is not wrapped in common.keeps_signals"
+    assert {"train.py", "prepare_data.py", "export.py", "bench.py"} <= scripts, scripts   # (the guard is recognised)
