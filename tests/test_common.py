@@ -28,28 +28,42 @@ def test_lock_holder_reads_another_users_process_as_alive(tmp_path, monkeypatch)
 
 
 def test_the_modules_import_in_floors():
-    """The repository's modules import one another without a cycle, an import inside a function counted too; model.py
-    and what it imports hold no file handling (checkpoint.py builds a model from a file, not the reverse), and the data
-    preparation is imported only by the two scripts that read token files."""
-    names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(HERE, "*.py"))}
-    imports = {}
-    for name in names:
-        tree = ast.parse(open(os.path.join(HERE, name + ".py")).read())
-        found = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        found |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
-        imports[name] = found & names - {name}
+    """The repository's modules import one another without a circle, imports inside functions counted: the routing
+    files from the lowest up (routing_config <- routing_call <- routing_kernel <- routing_block), the choice between
+    chains above them (model.fused_router); common.py below everything, model.py above no file-handling module."""
+    own = {os.path.splitext(f)[0] for f in os.listdir(HERE) if f.endswith(".py")}
+    graph = {}
+    for name in own:
+        deps = set()
+        for node in ast.walk(ast.parse(open(os.path.join(HERE, name + ".py")).read())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                deps.add(node.module.split(".")[0])
+        graph[name] = (deps & own) - {name}
+    done, path = set(), []
 
-    def closure(name, seen=()):
-        """The modules `name` reaches; a cycle through it fails the test where it is met."""
-        reach = set()
-        for dep in imports[name]:
-            assert dep not in seen and dep != name, f"an import cycle: {' -> '.join((*seen, name, dep))}"
-            reach |= {dep} | closure(dep, (*seen, name))
-        return reach
-    for name in sorted(names):
-        closure(name)
-    assert not closure("model") & {"checkpoint", "prepare_data", "documents", "common", "train", "configurator"}
-    assert sorted(n for n in names if "prepare_data" in imports[n]) == ["eval", "train"]
+    def visit(name):   # depth first; a module met again on the current path closes a circle
+        assert name not in path, " -> ".join(path[path.index(name):] + [name])
+        if name not in done:
+            path.append(name)
+            for dep in sorted(graph[name]):
+                visit(dep)
+            path.pop()
+            done.add(name)
+    for name in sorted(graph):
+        visit(name)
+    assert graph["routing_config"] == set() and graph["routing_call"] == {"routing_config"}
+    assert "routing_block" not in graph["routing_kernel"] and "model" not in graph["routing_block"]
+    # the floors: the ground floor knows nothing of the project; the model knows no files on disk; the data script is
+    # a script (train.py and eval.py read its token files), not everyone's library
+    assert graph["common"] == set() and graph["options"] <= {"common"} and graph["tokenizer"] <= {"common", "options"}
+    reach, todo = set(), ["model"]
+    while todo:
+        todo += [d for d in graph[todo.pop()] if d not in reach and not reach.add(d)]
+    assert not reach & {"checkpoint", "prepare_data", "documents", "common", "options", "tokenizer", "metrics",
+                        "train", "configurator"}, reach
+    assert sorted(n for n in graph if "prepare_data" in graph[n]) == ["eval", "train"]
 
 
 def test_a_main_called_from_code_puts_the_callers_signal_handlers_back(tmp_path, data_dir):

@@ -921,46 +921,6 @@ def test_fused_contract_errors():
         h.sum().backward()
 
 
-def test_no_module_imports_in_a_circle():
-    """The repository's modules import one another without a circle, imports inside functions counted: the routing
-    files from the lowest up (routing_config <- routing_call <- routing_kernel <- routing_block), the choice between
-    chains above them (model.fused_router); common.py below everything, model.py above no file-handling module."""
-    import ast
-    own = {os.path.splitext(f)[0] for f in os.listdir(HERE) if f.endswith(".py")}
-    graph = {}
-    for name in own:
-        deps = set()
-        for node in ast.walk(ast.parse(open(os.path.join(HERE, name + ".py")).read())):
-            if isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                deps.add(node.module.split(".")[0])
-        graph[name] = (deps & own) - {name}
-    done, path = set(), []
-
-    def visit(name):   # depth first; a module met again on the current path closes a circle
-        assert name not in path, " -> ".join(path[path.index(name):] + [name])
-        if name not in done:
-            path.append(name)
-            for dep in sorted(graph[name]):
-                visit(dep)
-            path.pop()
-            done.add(name)
-    for name in sorted(graph):
-        visit(name)
-    assert graph["routing_config"] == set() and graph["routing_call"] == {"routing_config"}
-    assert "routing_block" not in graph["routing_kernel"] and "model" not in graph["routing_block"]
-    # the floors: the ground floor knows nothing of the project; the model knows no files on disk; the data script is
-    # a script (train.py and eval.py read its token files), not everyone's library
-    assert graph["common"] == set() and graph["options"] <= {"common"} and graph["tokenizer"] <= {"common", "options"}
-    reach, todo = set(), ["model"]
-    while todo:
-        todo += [d for d in graph[todo.pop()] if d not in reach and not reach.add(d)]
-    assert not reach & {"checkpoint", "prepare_data", "common", "options", "tokenizer", "metrics", "train",
-                        "configurator"}, reach
-    assert sorted(n for n in graph if "prepare_data" in graph[n]) == ["eval", "train"]
-
-
 def test_fused_envelope_errors():
     with pytest.raises(ValueError, match=r"head width d/H = 48/4 = 12 is below 16"):
         rc.check_envelope(48, 4, torch.bfloat16)
