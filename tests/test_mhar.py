@@ -1022,10 +1022,14 @@ def chain(route, N, H, blocks=None):   # N sites with x -> tanh(x) + shift betwe
 CHANGED_ROUTING = ROUTED_CHAIN + """
 import sys
 from routing_call import route_stack
-device, worst = sys.argv[1], 0.0
+device, errs = sys.argv[1], []
+rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()
 for N, H, blocks in ((5, 1, None), (7, 2, None), (5, 4, 2)):
     fused, ref = chain("fused", N, H, blocks), chain(route_reference, N, H, blocks)
-    worst = max([worst] + [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(fused, ref)])
+    # out, d source, every site's dq as one vector, every dg as one: site 1 mixes one source, so its dq and dg are 0 in
+    # the reference and rounding noise in the fused chain (on a GPU); alone they would divide by 0
+    parts = lambda t: [t[0], t[1], torch.cat(t[2:2 + N]), torch.cat(t[2 + N:])]
+    errs += [rel(a, b) for a, b in zip(parts(fused), parts(ref))]
     torch.save([t.cpu() for t in fused], f"fused_{N}_{H}.pt")
 s = torch.randn(4, 2, 5, 96, device=device).requires_grad_(True)
 q, gain = (torch.randn(96, device=device) * 0.5).requires_grad_(True), torch.ones(96, device=device)
@@ -1035,8 +1039,8 @@ for route in (route_stack, route_reference):
     if route is route_stack:
         first, s.grad, grad_q = out.detach(), None, q.grad.clone()
         q.grad = None
-worst = max(worst, ((first - out).abs().max() / out.abs().max()).item(), ((grad_q - q.grad).abs().max() / q.grad.abs().max()).item())
-print("worst relative difference", worst)
+errs += [rel(first, out), rel(grad_q, q.grad)]
+print("worst relative difference", max(errs) if all(e == e for e in errs) else float("nan"))   # NaN never hides
 """
 
 
