@@ -31,8 +31,8 @@ with the programs. Measured: BENCHMARKS.md.
 """
 import torch
 
-from routing_config import Launcher, _block_m, _split, announce, check_envelope, config_for
-from routing_kernel import DIRECT_OK, RoutingChain, triton   # the chain's contract: site order, checks, route()
+from routing_config import _block_m, _split, announce, check_envelope, config_for
+from routing_kernel import RoutingChain, triton   # the chain's contract: site order, checks, route()
 
 if triton is not None:
     import triton.language as tl
@@ -214,13 +214,11 @@ class BlockChain(RoutingChain):
         if training:
             self.dB = torch.empty(blocks + 1, tokens, d, dtype=dtype, device=device)
             self.PART = torch.empty(n_sites, self.programs, d, **f32)
-        self.launcher = Launcher(device, DIRECT_OK)
         self.reset()
 
     def reset(self, queries=None, gains=None):
         """Ready for a new pass; queries, gains (every site's): site 1's backward returns every site's dq and dg."""
         self.live = queries, gains
-        self.launcher.refresh(self.config.direct)
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
 
     def sources(self, j):
@@ -239,12 +237,10 @@ class BlockChain(RoutingChain):
         prev = self.n + i if i > 1 and (i - 1) % P else None   # the open block's sum before sublayer i, if any
         out = torch.empty(self.M, self.d, dtype=self.dtype, device=new_source.device)
         bm, warps, stages = self.geometry["block_fwd"]
-        self.launcher.launch(_block_fwd, ("fwd", prev is not None), (triton.cdiv(self.M, bm),), warps,
-                             (new_source, q, g, out),
-                             dict(NEW=new_source, Q=q, G=g, OUT=out, count=count, dst=count - 1 + skip, prev=prev or 0,
-                                  j=j - 1), lambda: dict(
-            X=self.X, R=self.R, LSE=self.LSE, M=self.M, eps=self.eps, **self.shape, BLOCK_M=bm, STAGES=stages,
-            HAS_PREV=prev is not None))
+        _block_fwd[(triton.cdiv(self.M, bm),)](
+            X=self.X, R=self.R, LSE=self.LSE, NEW=new_source, Q=q, G=g, OUT=out, M=self.M, count=count,
+            dst=count - 1 + skip, prev=prev or 0, j=j - 1, eps=self.eps, **self.shape, BLOCK_M=bm, STAGES=stages,
+            HAS_PREV=prev is not None, num_warps=warps)
         self.next_fwd = j + 1
         if j == self.N:
             self.next_bwd = self.N
@@ -257,11 +253,10 @@ class BlockChain(RoutingChain):
         go = torch.empty_like(grad_out)
         bm, warps, stages = self.geometry["block_bwd"]
         first = j == self.N   # the first backward starts every block's gradient (site N reads them all)
-        self.launcher.launch(_block_bwd, ("bwd", first), (self.programs,), warps, (grad_out, go, q, g),
-                             dict(Q=q, G=g, GOUT=grad_out, GO=go, count=count, last=count - 1 + skip, j=j - 1),
-                             lambda: dict(
-            X=self.X, R=self.R, LSE=self.LSE, DB=self.dB, PART=self.PART, M=self.M, n_tiles=self.tiles,
-            inv_dm=1.0 / self.d, **self.shape, BLOCK_M=bm, STAGES=stages, ACCUM=not first))
+        _block_bwd[(self.programs,)](
+            X=self.X, R=self.R, LSE=self.LSE, Q=q, G=g, GOUT=grad_out, GO=go, DB=self.dB, PART=self.PART, M=self.M,
+            n_tiles=self.tiles, count=count, last=count - 1 + skip, j=j - 1, inv_dm=1.0 / self.d, **self.shape,
+            BLOCK_M=bm, STAGES=stages, ACCUM=not first, num_warps=warps)
         self.next_bwd = j - 1
         queries, gains = self.live
         if queries is None:   # no queries given: this site's dq and dg now

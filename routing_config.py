@@ -1,9 +1,8 @@
 """
 Launch settings of the fused routing kernels (routing_call.py, routing_kernel.py, routing_block.py): per kernel the
 register tile, warps and pipelining depth; which sites share reads (lead_schedule); the entries tuned per width on an
-H200; the envelope the kernels take; and the launch itself (Launcher: Triton's path once per kernel, then its
-compiled launcher directly). Kept apart so that tuning a width (`python bench.py routing --tune-train`) edits a table,
-never a kernel. The lowest of the routing files: it imports none of them.
+H200; and the envelope the kernels take. Kept apart so that tuning a width (`python bench.py routing --tune-train`)
+edits a table, never a kernel. The lowest of the routing files: it imports none of them.
 """
 import functools
 import os
@@ -38,7 +37,6 @@ class RoutingConfig:
     block_bwd: tuple = (512, 1, 3)
     block_waves: int = 8
     max_block_m: int = 256 if INTERPRET else 64   # tokens per program at most (the interpreter: few, big programs)
-    direct: bool = True   # the chain calls its compiled kernels' launchers directly (Launcher, below)
 
     def __post_init__(self):
         if self.fwd_lead_sites not in (1, 2):
@@ -165,50 +163,3 @@ def tune(kernels, shapes, time_fn, candidates=CANDIDATES):
         print(f"tuned ({d}, {H}): {entry}", flush=True)
         tuned.append(cfg)
     return tuned
-
-
-# ---- the launch itself ------------------------------------------------------------------------------------------------
-
-class Launcher:
-    """How a chain launches its kernels: launch(kernel, key, grid, warps, fresh, varying, fixed) is
-    kernel[grid](**fixed(), **varying, num_warps=warps); fixed() builds the arguments that stay the same for the chain's
-    life, `varying` the rest (same order at every call), `fresh` its tensors. Triton's own launch binds and specialises
-    every argument at each call, and a chain launches a few specialisations 2N times a pass: so a key's first launch
-    goes through Triton and keeps the compiled kernel and its arguments in signature order, and later launches fill in
-    `varying` and call the launcher (an eager chain's host time is mostly launches). The fresh tensors' dtypes
-    join the key; one off 16-byte alignment takes Triton's path (it specialises on it)."""
-
-    def __init__(self, device, direct_ok):
-        import triton
-        self.ok, self.direct, self.bound = direct_ok, False, {}   # bound: key -> (launcher, kernel, metadata, args, slots)
-        dev = torch.device(device)   # the launcher's stream is its device's (index None: the current device)
-        self.device = torch.cuda.current_device() if dev.index is None and direct_ok and dev.type == "cuda" else dev.index
-        self._stream = triton.runtime.driver.active.get_current_stream if direct_ok else None
-
-    def refresh(self, wanted):
-        """Direct launches if wanted and possible: launch hooks (a profiler's) need Triton's own launch path."""
-        import triton
-        hooks = triton.knobs.runtime
-        self.direct = wanted and self.ok and all(
-            h is None or getattr(h, "calls", None) == [] for h in (hooks.launch_enter_hook, hooks.launch_exit_hook))
-
-    def launch(self, kernel, key, grid, warps, fresh, varying, fixed):
-        key = (key, *[t.dtype for t in fresh])
-        aligned = not any([t.data_ptr() & 15 for t in fresh])
-        bound = self.bound.get(key) if aligned and self.direct else None
-        if bound is not None:
-            launcher, function, meta, args, slots = bound
-            for i, v in zip(slots, varying.values()):
-                args[i] = v
-            launcher(*grid, *(1,) * (3 - len(grid)), self._stream(self.device), function, meta, None, None, None, *args)
-            for i in slots:   # hold no tensor past its launch
-                args[i] = None
-            return
-        args = {**fixed(), **varying}
-        compiled = kernel[grid](**args, num_warps=warps)
-        if aligned and self.direct:
-            compiled, names = getattr(compiled, "result", lambda: compiled)(), kernel.arg_names
-            self.bound[key] = (compiled.run, compiled.function, compiled.packed_metadata, [args[n] for n in names],
-                               [names.index(k) for k in varying])
-            for i in self.bound[key][4]:
-                self.bound[key][3][i] = None

@@ -47,10 +47,8 @@ try:
 except ImportError:  # the model falls back to the reference routing (model.py prints why)
     triton = None
 
-from routing_config import INTERPRET, Launcher, _block_m, _split, announce, check_envelope, config_for, lead_schedule
+from routing_config import INTERPRET, _block_m, _split, announce, check_envelope, config_for, lead_schedule
 
-# Triton >= 3.4 passes a compiled kernel's launcher every argument in signature order (what routing_config.Launcher uses)
-DIRECT_OK = triton is not None and not INTERPRET and tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 4)
 
 
 def available(device):
@@ -120,7 +118,7 @@ if triton is not None:
         return tl.load(PML + ml, mask=rmask, other=float("-inf")), tl.load(PML + H * M + ml, mask=rmask, other=0.0), \
             acc_a, acc_b
 
-    @triton.jit(do_not_specialize=["j", "back"])   # (direct launches reuse one compiled kernel for every j and back)
+    @triton.jit(do_not_specialize=["j", "back"])   # (one compiled kernel for every j and back)
     def _chain_fwd(
         S, R,       # [N, M, DM] sources, [N, M] fp32 RMS factors; slot j-1 is written here
         NEW, Q, G,  # [M, DM] the newest source s_{j-1} (this site's autograd input, contiguous); [DM] q and g
@@ -409,7 +407,6 @@ class RoutingChain:
         if training:
             self._backward_buffers(N, M, d, H, f32)
         fwd, gather = lead_schedule(N, cfg.lead_min, cfg.fwd_lead_sites)
-        self.launcher = Launcher(device, DIRECT_OK)
         self.fwd_lead = fwd if cfg.fwd_lead else frozenset()
         self.gather_lead = gather if cfg.gather_lead and training else frozenset()
         # one lead state at a time (the forward's is used up before the backward); else unused placeholders
@@ -438,7 +435,6 @@ class RoutingChain:
         self.live = queries, gains
         self.queries, self.gains = (None, None) if queries is None else ([q.detach() for q in queries],
                                                                           [g.detach() for g in gains])
-        self.launcher.refresh(self.config.direct)
         self.following = False   # the previous launch (backward: gather j+1) led this one
         self.behind, self.led = 0, 0   # forward: sites since the last leader (0: none leads this one), how many it led
         self.next_fwd, self.next_bwd, self.sentinel = 1, None, None
@@ -475,13 +471,12 @@ class RoutingChain:
         lead = self.config.fwd_lead_sites if j in self.fwd_lead and self.queries is not None and not self.behind else 0
         grid, bm, warps, stages, parts = self.fwd_launch[lead > 0]
         (q2, g2), (q3, g3) = [(self.queries[j + x], self.gains[j + x]) if x < lead else (q, g) for x in range(2)]
-        self.launcher.launch(_chain_fwd, ("fwd", lead, self.behind > 0), grid, warps, (new_source, q, g, q2, g2, q3, g3),
-                             dict(NEW=new_source, Q=q, G=g, OUT=out, Q2=q2, G2=g2, Q3=q3, G3=g3, j=j, back=self.behind),
-                             lambda: dict(
-            S=self.S, R=self.R, W=self.W, LSE=self.LSE, LG=self.LG, PACC=self.PACC, PML=self.PML, MIX=self.MIX, M=self.M,
-            eps=self.eps, DM=self.d, H=self.H, D=self.D, **parts, BLOCK_M=bm, BLOCK_C=min(1024, triton.next_power_of_2(
-                self.d)), STAGES=stages, STORE_LOGITS=self.stored_logits, LEAD=lead, FOLLOW=self.behind > 0,
-            STORE_MIX=self.MIX is not self.R))
+        _chain_fwd[grid](
+            S=self.S, R=self.R, NEW=new_source, Q=q, G=g, W=self.W, OUT=out, LSE=self.LSE, LG=self.LG, Q2=q2, G2=g2, Q3=q3,
+            G3=g3, PACC=self.PACC, PML=self.PML, MIX=self.MIX, M=self.M, j=j, back=self.behind, eps=self.eps, DM=self.d,
+            H=self.H, D=self.D, **parts, BLOCK_M=bm, BLOCK_C=min(1024, triton.next_power_of_2(self.d)), STAGES=stages,
+            STORE_LOGITS=self.stored_logits, LEAD=lead, FOLLOW=self.behind > 0, STORE_MIX=self.MIX is not self.R,
+            num_warps=warps)
         if lead:
             self.behind, self.led = 1, lead
         else:
@@ -506,11 +501,10 @@ class RoutingChain:
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
         lead = j in self.gather_lead and not self.following
         bm, warps, stages, shape = self.gather_launch[lead]
-        self.launcher.launch(_gather_bwd, ("gather", lead, self.following), (triton.cdiv(M, bm),), warps,
-                             (grad_out, ds), dict(GIN=grad_out, DS=ds, j=j), lambda: dict(
+        _gather_bwd[(triton.cdiv(M, bm),)](
             S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, LG=self.LG, GB=self.GB, CL=self.CL, DLR=self.DLR,
-            PACC=self.PACC, PK=self.PK, M=M, N=N, inv_dm=1.0 / d, **shape, BLOCK_M=bm, STAGES=stages, LEAD=lead,
-            FOLLOW=self.following, LOGITS_STORED=self.stored_logits))
+            GIN=grad_out, DS=ds, PACC=self.PACC, PK=self.PK, M=M, N=N, j=j, inv_dm=1.0 / d, **shape, BLOCK_M=bm,
+            STAGES=stages, LEAD=lead, FOLLOW=self.following, LOGITS_STORED=self.stored_logits, num_warps=warps)
         self.next_bwd, self.following = j - 1, lead
         if j > 1:
             return ds, None, None
@@ -518,10 +512,9 @@ class RoutingChain:
         # sum over splits, then over site j's pairs (fixed order)
         bj, bt, bc, splits, warps = self.dw_launch
         per_split = triton.cdiv(triton.cdiv(M, splits), bt) * bt
-        self.launcher.launch(_dw_terms, ("dw",), (H * triton.cdiv(self.D, bc), N * triton.cdiv(N, bj), splits), warps, (),
-                             {}, lambda: dict(
+        _dw_terms[(H * triton.cdiv(self.D, bc), N * triton.cdiv(N, bj), splits)](
             DLR=self.DLR, S=self.S, PDW=self.PDW, N=N, M=M, tokens_per_split=per_split, P1=self.PDW.size(1), DM=d, H=H,
-            D=self.D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc, PRECISION=self.dw_precision))
+            D=self.D, BLOCK_J=bj, BLOCK_T=bt, BLOCK_C=bc, PRECISION=self.dw_precision, num_warps=warps)
         dw = self.PDW.sum(0)[self.SITE_PAIRS].sum(1)   # [N, d]
         queries, gains = self.live
         dq, dg = dw * torch.stack(gains).float(), dw * torch.stack(queries).float()
