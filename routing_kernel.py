@@ -393,8 +393,8 @@ class RoutingChain:
         # the forward's programs own a head of a token block, the gathers' every head (tile elements, warps, stages)
         d_a, block_b, lanes = _split(self.D)   # (160 = 128 + 32, not 256 padded)
         bh = triton.next_power_of_2(H)
-        fwd_shape, gather_shape = dict(D_A=d_a, BLOCK_B=block_b), dict(DM=d, H=H, D=self.D, BH=bh, D_A=d_a,
-                                                                       BLOCK_B=block_b)
+        fwd_shape = dict(D_A=d_a, BLOCK_B=block_b, BLOCK_C=min(1024, triton.next_power_of_2(d)))
+        gather_shape = dict(DM=d, H=H, D=self.D, BH=bh, D_A=d_a, BLOCK_B=block_b)
         self.fwd_launch = {lead: ((triton.cdiv(M, _block_m(s[0], lanes, cfg)) * H,), _block_m(s[0], lanes, cfg), *s[1:],
                                   fwd_shape) for lead, s in ((False, cfg.fwd), (True, cfg.fwd_lead)) if s}
         self.gather_launch = {lead: (_block_m(s[0], bh * lanes, cfg), *s[1:], gather_shape)
@@ -474,9 +474,8 @@ class RoutingChain:
         _chain_fwd[grid](
             S=self.S, R=self.R, NEW=new_source, Q=q, G=g, W=self.W, OUT=out, LSE=self.LSE, LG=self.LG, Q2=q2, G2=g2, Q3=q3,
             G3=g3, PACC=self.PACC, PML=self.PML, MIX=self.MIX, M=self.M, j=j, back=self.behind, eps=self.eps, DM=self.d,
-            H=self.H, D=self.D, **parts, BLOCK_M=bm, BLOCK_C=min(1024, triton.next_power_of_2(self.d)), STAGES=stages,
-            STORE_LOGITS=self.stored_logits, LEAD=lead, FOLLOW=self.behind > 0, STORE_MIX=self.MIX is not self.R,
-            num_warps=warps)
+            H=self.H, D=self.D, **parts, BLOCK_M=bm, STAGES=stages, STORE_LOGITS=self.stored_logits, LEAD=lead,
+            FOLLOW=self.behind > 0, STORE_MIX=self.MIX is not self.R, num_warps=warps)
         if lead:
             self.behind, self.led = 1, lead
         else:

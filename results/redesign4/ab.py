@@ -3,12 +3,11 @@
 # gradient bitwise equal, bf16 and fp32, full routing and block routing (n = 8 where it divides); (2) the chain's GPU
 # time (CUDA-graph replay, the better of two readings each, order before, after, after, before) at 12 widths;
 # (3) bench.py's step, every variant, both trees at their defaults, alternating, at the scales named, in R rounds: the
-# ratios to the baseline before and after; (4) whether the direct launcher pays where training replays CUDA graphs:
-# the same step with the launcher on and off (routing_config.DEFAULT's `direct`), alternating. --eager: parts 3 and 4
-# launch every kernel from Python (bench.py --cuda_graph=False), as FSDP and --cuda_graph=False training do.
+# ratios to the baseline before and after. --eager: part 3 launches every kernel from Python (bench.py
+# --cuda_graph=False), as FSDP and --cuda_graph=False training do. Part (4), the direct launcher on and off in one
+# tree (launcher_h100.*), ran at 0df7054, the last tree with the launcher: `git show 0df7054:results/redesign4/ab.py`.
 #   python results/redesign4/ab.py BEFORE_DIR OUT.json [--rounds=R] [--skip-bitwise] [--skip-chain] [--skip-trees]
-#       [--skip-launcher] [--eager] [SCALE ...]
-import dataclasses
+#       [--eager] [SCALE ...]
 import importlib
 import json
 import os
@@ -44,7 +43,7 @@ out, scales = sys.argv[2], [a for a in sys.argv[3:] if not a.startswith("--")]
 graphed = "--eager" not in sys.argv
 rounds = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--rounds=")), 1))
 torch.backends.cuda.matmul.allow_tf32 = True
-record = dict(header=use(after)["bench_routing"].header("cuda"), bitwise=[], chain=[], step=[])
+record = dict(header=use(after)["bench_routing"].header("cuda"), bitwise=[], chain=[])
 DEPTH = {512: 12, 768: 12, 1024: 24, 1280: 36, 2048: 36}
 
 # (1) bitwise: the same inputs through both trees' chains
@@ -116,27 +115,5 @@ for scale in ([] if "--skip-trees" in sys.argv else scales):
     for name, ratios in ratios_of(record["trees"], "tree", ("before", "after"), scale).items():
         say_ratios(scale, name, ratios)
 
-# (4) the step with the direct launcher on and off (this tree), each variant against its own round's baseline. The
-# launcher was removed on this measurement (launches are kernel[grid](...) now): part 4 runs only on a tree that has it
-tree = use(after)
-rc, bench = tree["routing_config"], tree["bench"]
-default = rc.DEFAULT
-launcher = "direct" in {f.name for f in dataclasses.fields(default)}
-if not launcher and "--skip-launcher" not in sys.argv:
-    print("part 4 skipped: this tree has no direct launcher (RoutingConfig.direct)", flush=True)
-part4 = scales if launcher and "--skip-launcher" not in sys.argv else []
-for i, (r, scale) in enumerate((r, s) for r in range(rounds) for s in part4):
-    for direct in ((True, False) if i % 2 == 0 else (False, True)):
-        rc.DEFAULT = dataclasses.replace(default, direct=direct)   # config_for builds every width's entry on it
-        for variant in VARIANTS:
-            row = bench.bench_one(scale, variant, "cuda", 20, 5, True, bench.PAPER_VOCAB, None, graphed)
-            record["step"].append(dict(direct=direct, round=r, **row))
-            print(f"step {scale} {variant:14s} direct={direct!s:5s} {row['tok_s']:>10,.0f} tok/s {row['step_ms']:7.2f} ms",
-                  flush=True)
-            json.dump(record, open(out, "w"), indent=1)
-rc.DEFAULT = default
-for scale in part4:
-    for direct, ratios in ratios_of(record["step"], "direct", (True, False), scale).items():
-        say_ratios(scale, f"direct={direct!s:5s}", ratios)
 json.dump(record, open(out, "w"), indent=1)
 print("done", flush=True)
