@@ -57,6 +57,7 @@ class TrainConfig:
     eval_interval: int = option(500, STEPS)                  # evaluate and checkpoint every this many steps, and last
     eval_tokens: int = option(1048576, TOKENS)               # fixed validation set: the first this-many of val.bin
     log_interval: int = option(1, STEPS)                     # print/log every this many steps (each print syncs)
+    save_every: int = option(0, Count(0, 10**9))             # write out_dir/ckpt.pt this often (0: at every eval)
     keep_every: int = option(0, Count(0, 10**9))             # also keep out_dir/ckpt-stepN.pt this often (0: off)
     wandb_log: bool = option(False, Flag())                  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = option("mhar", Text())              # its project
@@ -70,7 +71,7 @@ class TrainConfig:
     compile: bool = option(True, Flag())                     # torch.compile each sublayer (and the reference routing)
     activation_checkpointing: bool = option(False, Flag())   # recompute each sublayer in backward: less memory
     fsdp: bool = option(False, Flag())                       # FSDP2: shard each sublayer over the processes
-    save: bool = option(True, Flag())                        # out_dir/ckpt.pt at every eval and at the end
+    save: bool = option(True, Flag())                        # out_dir/ckpt.pt at evals (save_every) and at the end
     cuda_graph: bool = option(True, Flag())                  # replay microbatches as CUDA graphs where they apply
     # torchrun + CUDA graphs: after (one all-reduce after them) | overlap (under the backward)
     grad_sync: str = option("after", Choice("after", "overlap"))
@@ -96,7 +97,7 @@ RULES = {f.name: f.metadata.get("kind") for f in fields(Config)}   # every optio
 # resolving -1 to max_steps: the schedule's horizon must match)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
              "dtype", "compile", "micro_batch", "activation_checkpointing", "routing_impl", "lr_decay_steps", "save",
-             "cuda_graph", "grad_sync", "grad_bucket_mb", "keep_every", "wandb_log", "wandb_project", "wandb_run_name"}
+             "cuda_graph", "grad_sync", "grad_bucket_mb", "save_every", "keep_every", "wandb_log", "wandb_project", "wandb_run_name"}
 
 
 # ---- reading them ----------------------------------------------------------------------------------------------------
@@ -178,10 +179,12 @@ def parse_args(argv, usage="", paths=True):
             cfg.explicit.add(key)
     for key, (val, *raw) in given.items():
         setattr(cfg, key, check_option(key, val, *raw) if paths or not is_path(RULES[key]) else val)
-    if cfg.keep_every % cfg.eval_interval:
-        fit = max(1, round(cfg.keep_every / cfg.eval_interval)) * cfg.eval_interval
-        raise ValueError(f"keep_every={cfg.keep_every} must be a multiple of eval_interval={cfg.eval_interval} "
-                         f"(checkpoints are written at evals), e.g. --keep_every={fit}")
+    # checkpoints are written at evals, kept copies at checkpoints: each interval a multiple of the one it rides on
+    for key, base in (("save_every", "eval_interval"), ("keep_every", "save_every" if cfg.save_every else "eval_interval")):
+        every, unit = getattr(cfg, key), getattr(cfg, base)
+        if every % unit:
+            raise ValueError(f"{key}={every} must be a multiple of {base}={unit} (it takes effect at those steps), "
+                             f"e.g. --{key}={max(1, round(every / unit)) * unit}")
     GPTConfig(vocab_size=128, **{k: getattr(cfg, k) for k in MODEL_KEYS})   # model errors now, not after data
     return cfg
 

@@ -53,6 +53,8 @@ from support import HERE, kill_when_logged, read_docs, read_log, run_train, stri
     (["--route_blocks=2", "--residual=delta", "--num_blocks=4"], r"not residual='delta': drop it \(delta mode's blocks: num_blocks\)"),
     (["--keep_every=250"], r"keep_every=250 must be a multiple of eval_interval=500 .*e.g. --keep_every=500"),
     (["--keep_every=-500"], r"keep_every=-500 must be a whole number in \[0, 1,000,000,000\]"),
+    (["--save_every=750"], r"save_every=750 must be a multiple of eval_interval=500 .*e.g. --save_every=1000"),
+    (["--save_every=1000", "--keep_every=500"], r"keep_every=500 must be a multiple of save_every=1000 .*--keep_every=1000"),
     (["--route_scale=1e999"], r"route_scale=inf must be a finite number in \(0"),       # inf is positive: finite is the rule
     (["--routing_lr_scale=1e999"], r"routing_lr_scale=inf must be a finite number"),
     (["--lr=nan"], r"lr=nan must be a finite number"),
@@ -172,6 +174,18 @@ def test_keep_every_keeps_checkpoints_through_a_resume(tmp_path, data_dir):
     assert (out / "probe-step20" / "probe.json").is_file() and not (out / "probe").exists()
     export.main([f"--out_dir={out / 'ckpt-step10.pt'}", f"--hf_dir={tmp_path / 'hf10'}", "--check=False"])
     assert json.load(open(tmp_path / "hf10" / "config.json"))["exported_from"]["step"] == 10
+
+
+def test_save_every_writes_the_checkpoint_less_often_than_the_evals(tmp_path, data_dir):
+    """--save_every=10 with --eval_interval=5: every eval runs, ckpt.pt is written at steps 10 and 20 and at the end
+    (25), and the kept copies ride on those saves."""
+    out = tmp_path / "s"
+    run = run_train(str(out), data_dir, "--max_steps=25", "--eval_interval=5", "--save_every=10", "--keep_every=20")
+    assert run.returncode == 0, run.stderr
+    assert re.findall(r"^saved \S+ \(step (\d+),", run.stdout, re.M) == ["10", "20", "25"], run.stdout
+    evals = [r["step"] for r in map(json.loads, open(out / "log.jsonl")) if "val_loss" in r]
+    assert evals == [0, 5, 10, 15, 20, 25]
+    assert sorted(p for p in os.listdir(out) if p.startswith("ckpt")) == ["ckpt-step20.pt", "ckpt.prev.pt", "ckpt.pt"]
 
 
 def test_a_hub_style_tokenizer_trains_and_an_offline_hub_name_fails(tmp_path, corpus, monkeypatch):

@@ -14,7 +14,8 @@
 # GPUS=8 runs 8 runs at once, one per GPU (CUDA_VISIBLE_DEVICES), each GPU taking the next spec not yet taken.
 # A run whose log is in the log folder ($LOGS) is skipped (done); its log.jsonl is copied there only when it finished.
 # EXTRA="--lr=5e-4" appends train.py arguments to every run (give such runs their own LOGS: the names do not show it).
-# SAVE=True keeps a reduced run's checkpoint in out/study/NAME (for eval.py); by default only the logs are kept.
+# SAVE=True keeps a reduced run's checkpoint in out/study/NAME (for eval.py); by default only the logs are kept. It is
+#   written at every eval (5 GB at 350M); EXTRA="--save_every=500" writes it less often (a cut run redoes at most 500).
 # A stopped run that has a checkpoint ($RUNS/NAME/ckpt.pt: SAVE=True or BUDGET=paper) resumes from it; one without
 #   starts again (train.py keeps its old log beside the new). Nothing is deleted: FRESH=1 removes a run's folder
 #   ($RUNS/NAME) and empties its .txt before it starts from scratch; otherwise each attempt's output is appended.
