@@ -97,7 +97,8 @@ RULES = {f.name: f.metadata.get("kind") for f in fields(Config)}   # every optio
 # resolving -1 to max_steps: the schedule's horizon must match)
 RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "log_interval", "device",
              "dtype", "compile", "micro_batch", "activation_checkpointing", "routing_impl", "lr_decay_steps", "save",
-             "cuda_graph", "grad_sync", "grad_bucket_mb", "save_every", "keep_every", "wandb_log", "wandb_project", "wandb_run_name"}
+             "cuda_graph", "grad_sync", "grad_bucket_mb", "save_every", "keep_every", "wandb_log", "wandb_project",
+             "wandb_run_name"}
 
 
 # ---- reading them ----------------------------------------------------------------------------------------------------
@@ -180,7 +181,8 @@ def parse_args(argv, usage="", paths=True):
     for key, (val, *raw) in given.items():
         setattr(cfg, key, check_option(key, val, *raw) if paths or not is_path(RULES[key]) else val)
     # checkpoints are written at evals, kept copies at checkpoints: each interval a multiple of the one it rides on
-    for key, base in (("save_every", "eval_interval"), ("keep_every", "save_every" if cfg.save_every else "eval_interval")):
+    for key, base in (("save_every", "eval_interval"),
+                      ("keep_every", "save_every" if cfg.save_every else "eval_interval")):
         every, unit = getattr(cfg, key), getattr(cfg, base)
         if every % unit:
             raise ValueError(f"{key}={every} must be a multiple of {base}={unit} (it takes effect at those steps), "

@@ -14,7 +14,8 @@ every parameter, clip 1.0, linear warmup then cosine to 0.1x, a fixed validation
 Stages, in the order main() runs them: parse_args -> setup_runtime (processes, device, precision) -> load_data (checked
 against meta.json) -> resolve_start (the out_dir lock; scratch / resume / converted checkpoint) -> build_model, restore
 -> the loop: run_microbatches (graphed or eager), optimizer_step (average, clip, AdamW), EMA, StepLog (metrics.py: the
-lines, log.jsonl, val_bpb, routing statistics, the optional tracker); evaluate every eval_interval, save_checkpoint at evals (save_every).
+lines, log.jsonl, val_bpb, routing statistics, the optional tracker); evaluate every eval_interval and save_checkpoint
+at evals (every save_every steps where given).
 What a run keeps in out_dir (checkpoints, log, lock, stops) and what it starts from (the resume policy) are
 checkpoint.py's; CUDA graphs and the gradient average are graphs.py's.
 """
@@ -494,7 +495,7 @@ def main(argv):
         if ((step % cfg.eval_interval == 0 or last) and step not in log.evals) or stopping:
             log.flush()   # checks the pending losses and gradient norms
             due = last or stopping or not cfg.save_every or step % cfg.save_every == 0
-            if step > log.start_step and cfg.save and due:   # before the eval: an eval crash loses nothing
+            if step > log.start_step and cfg.save and due:   # before the eval: an eval crash finds it written
                 log.check_weights(step, named)
                 extra["data"] = {"seqs_consumed": step * data.seqs_per_step, "seed": cfg.seed, "identity": data.identity}
                 try:
