@@ -50,7 +50,6 @@ except ImportError:  # the model falls back to the reference routing (model.py p
 from routing_config import INTERPRET, _block_m, _split, announce, check_envelope, config_for, lead_schedule
 
 
-
 def available(device):
     """Can the fused path run for tensors on `device`? (Triton on CUDA, or the interpreter on CPU)."""
     return triton is not None and (torch.device(device).type == "cuda" or INTERPRET)
