@@ -19,7 +19,7 @@
 # A stopped run that has a checkpoint ($RUNS/NAME/ckpt.pt: SAVE=True or BUDGET=paper) resumes from it; one without
 #   starts again (train.py keeps its old log beside the new). Nothing is deleted: FRESH=1 removes a run's folder
 #   ($RUNS/NAME) and empties its .txt before it starts from scratch; otherwise each attempt's output is appended.
-# Long lists can run in the background of a warm machine: nohup bash results/temperature_study/run.sh ... &
+# Long lists can run in the background: nohup bash results/temperature_study/run.sh ... &
 # A copy without its own .git names its tree in each run's header by MHAR_REVISION (which wins over git when set):
 #   MHAR_REVISION=$(git rev-parse --short HEAD) where the checkout is, then MHAR_REVISION=<that> bash run.sh ... there.
 set -eo pipefail
