@@ -86,6 +86,7 @@ def test_study_equivalence_and_last11(tmp_path):
 
 def write_study_runs(folder, values):
     """Hand-made 350M logs: {name: tail-5 target}, 21 evals each, falling to the value."""
+    os.makedirs(folder, exist_ok=True)
     for name, v in values.items():
         with open(folder / f"350m_{name}.log.jsonl", "w") as f:
             for step in range(0, 2001, 100):
@@ -115,6 +116,12 @@ def test_study_plan_analyses_exactly_the_planned_seeds(tmp_path):
     assert "attnres_x0.125 - mhar | tail-5 | 0,1,2,3,4,5 |" in table and "(2.571)" in table
     assert "| attnres - mhar | last-11 (described) | 0,1,2,3 |" in table and "left out" in table
     assert "closure: not defined: comparison 2" in table   # the plain single head is not behind MHAR here
+    # the primary decided at n = 4 while comparisons 2-3 wait: their present runs are planned, not left out
+    write_study_runs(tmp_path / "n4", {f"mhar_s{sd}": 3.5 for sd in range(4)} | {"attnres_s0": 3.45}
+                     | {f"attnres_s{sd}_x0.125": 3.4 + sd / 1000 for sd in range(4)})
+    table = study.third_study(study.runs(str(tmp_path / "n4")))
+    assert "not above 0.011: the primary is analysed at n = 4" in table and "left out" not in table
+    assert "attnres - mhar: pending, 3 planned run(s) missing: 350m_attnres_s1 350m_attnres_s2 350m_attnres_s3" in table
     fp, extended = study.simulate_extension(0.006, runs=20000)
     assert 0.04 < fp < 0.06 and extended < 0.1
 

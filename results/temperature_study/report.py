@@ -245,7 +245,7 @@ def plan3_seeds(rs):
     """The seeds each PLAN3 comparison is analysed on, by the plan: seeds 0-3; the primary's 0-5 when the SD of its
     four tail-5 deltas is above EXTEND_SD. -> ({(a, b): seeds, or None while a planned run is missing}, [lines: what is
     pending, which rule applied, which present runs are left out])."""
-    notes, use = [], {}
+    notes, use, wants = [], {}, {}
     for i, (shape, a, b) in enumerate(PLAN3):
         want = PLAN3_SEEDS
         have = [sd for sd in want if (shape, a, sd) in rs and (shape, b, sd) in rs]
@@ -257,17 +257,23 @@ def plan3_seeds(rs):
             notes.append(f"the extension rule: the SD of the four primary tail-5 deltas is {sd4:.4f}, "
                          + (f"above {EXTEND_SD:g}: seeds 4-5 of the pair are run and the primary is analysed at n = 6"
                             if sd4 > EXTEND_SD else f"not above {EXTEND_SD:g}: the primary is analysed at n = 4"))
+        wants[(a, b)] = list(want)
         use[(a, b)] = list(want) if have == list(want) else None
         if use[(a, b)] is None:
             missing = [f"{shape}_{c}_s{sd}" for sd in want for c in (a, b) if (shape, c, sd) not in rs]
             notes.append(f"{a} - {b}: pending, {len(missing)} planned run(s) missing: {' '.join(missing)}")
-    used = {(PLAN3[0][0], c, sd) for (a, b), seeds in use.items() for c in (a, b) for sd in (seeds or ())}
-    planned = {c for _, a, b in PLAN3 for c in (a, b)}
-    extra = sorted(k for k in rs if k[0] == PLAN3[0][0] and k[1] in planned and k not in used
-                   and not (use.get((PLAN3[0][1], PLAN3[0][2])) is None and k[2] in PLAN3_SEEDS + EXTENSION))
+    if use[PLAN3[0][1:]] is None:   # the extension is not decided yet: the pair's seeds 4-5 may still be planned
+        wants[PLAN3[0][1:]] = list(PLAN3_SEEDS + EXTENSION)
+    planned = {(c, sd) for pair, seeds in wants.items() for c in pair for sd in seeds}
+    extra = sorted(k for k in rs if k[0] == PLAN3[0][0] and k[1] in {c for c, _ in planned} and k[1:] not in planned)
     if extra:
         notes.append("left out, not in the plan's seeds: " + " ".join(f"{sh}_{c}_s{sd}" for sh, c, sd in extra))
     return use, notes
+
+
+def fmt_p(p):
+    """A p value to three decimals, or its bound below 0.001 (where "0.000" would read as zero)."""
+    return f"{p:.3f}" if p >= 0.0005 else "< 0.001"
 
 
 def third_study(rs):
@@ -300,7 +306,7 @@ def third_study(rs):
             st = stats(d)
             adjusted = holm.get((metric, a, b))
             results[(metric, a, b)] = st
-            p = f"{p_value(st):.3f}" + (f" (Holm {adjusted:.3f})" if adjusted is not None else "")
+            p = fmt_p(p_value(st)) + (f" (Holm {fmt_p(adjusted)})" if adjusted is not None else "")
             mixed = [f"s{x}: {rs[(shape, a, x)]['tree']} / {rs[(shape, b, x)]['tree']}" for x in seeds
                      if rs[(shape, a, x)]["tree"] != rs[(shape, b, x)]["tree"]]
             lines.append(f"| {label if metric == 'tail' else ''}{': ' if metric == 'tail' else ''}"
