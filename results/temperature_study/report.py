@@ -265,7 +265,8 @@ def plan3_seeds(rs):
     if use[PLAN3[0][1:]] is None:   # the extension is not decided yet: the pair's seeds 4-5 may still be planned
         wants[PLAN3[0][1:]] = list(PLAN3_SEEDS + EXTENSION)
     planned = {(c, sd) for pair, seeds in wants.items() for c in pair for sd in seeds}
-    extra = sorted(k for k in rs if k[0] == PLAN3[0][0] and k[1] in {c for c, _ in planned} and k[1:] not in planned)
+    configs = {c for pair in wants for c in pair}
+    extra = sorted(k for k in rs if k[0] == PLAN3[0][0] and k[1] in configs and k[1:] not in planned)
     if extra:
         notes.append("left out, not in the plan's seeds: " + " ".join(f"{sh}_{c}_s{sd}" for sh, c, sd in extra))
     return use, notes
