@@ -60,6 +60,35 @@ PLAN3_LABELS = ["single head s = 1/8 - MHAR H = 8 (primary)",
 PLAN3_SEEDS = (0, 1, 2, 3)   # every PLAN3 config's seeds
 EXTENSION = (4, 5)           # the primary pair's seeds 4-5, run and analysed (n = 6, t(5)) only when ...
 EXTEND_SD = 0.011            # ... the SD of its four tail-5 deltas (seeds 0-3) is above this; nothing else adds seeds
+# the fourth study, fixed before its runs (README.md: "The fourth study"): 350M, zero init, LR 1e-3, seeds 0-3 of the
+# baseline, MHAR H = 8 at s = 2 (its router twice as fast) and MHAR H = 4 at s = 1, read beside the third study's arms.
+# G8 alone decides (tested alone); the other four are one Holm family. The decision rules read G8 and G4 (PLAN4_RULES).
+PLAN4 = [("350m", "attnres_x0.125", "mhar_x2"),   # G8 (primary): the single head at s = 1/8 - MHAR H = 8 at s = 2
+         ("350m", "mhar", "baseline"),            # the paper's Table 1 claim: MHAR H = 8 ahead of the baseline
+         ("350m", "attnres", "baseline"),         # ... and the single head at s = 1 behind it (regresses)?
+         ("350m", "attnres_x0.125", "mhar_h4"),   # G4: the single head at s = 1/8 - MHAR H = 4
+         ("350m", "mhar_h4", "mhar_x2")]          # D: MHAR H = 4 - MHAR H = 8 at s = 2
+PLAN4_LABELS = ["G8: single head s = 1/8 - MHAR H = 8 at s = 2 (primary)",
+                "T1: MHAR H = 8 - baseline (the paper's Table 1: MHAR ahead)",
+                "T2: single head s = 1 - baseline (the paper's FineWeb Table 1: the single head behind)",
+                "G4: single head s = 1/8 - MHAR H = 4",
+                "D: MHAR H = 4 - MHAR H = 8 at s = 2"]
+PLAN4_SEEDS = (0, 1, 2, 3)   # every PLAN4 config's seeds; G8 extends to seeds 4-5 by PLAN3's rule (EXTEND_SD)
+PLAN4_BAND = 0.02            # "inside +-0.02": a comparison's 90% interval (the equivalence test's) inside +-PLAN4_BAND
+PLAN4_COST = -0.04           # "below -0.04": a comparison's 95% upper bound below PLAN4_COST
+PLAN4_KL_STEPS = (300, 1000)  # the manipulation check: MHAR H = 8 at s = 2's mean KL from uniform over these evals ...
+PLAN4_KL_RANGE = (0.7, 1.4)   # ... over the single head at s = 1/8's (same seeds and evals) lies in this range
+PLAN4_RULES = """outcomes, in this order (G8 and G4: tail-5, n = 4 unless G8 extends):
+  manipulation check: MHAR H = 8 at s = 2's routing KL from uniform at steps 300-1,000 is 0.7-1.4x the single head's at
+    s = 1/8; if not, (b) is not matched and G8 is read only as one dose point (the closure below), never as
+    'speed account' or 'head cost'
+  speed account: G8 and G4 both inside +-0.02 (90% intervals): the third study's gap is router speed; its head-cost
+    reading is withdrawn
+  head cost: G8's 95% upper bound below -0.04 and G4 inside +-0.02: eight heads cost more than a matched router speed
+  scale or regime: G4's 95% upper bound below -0.04 (four heads trail the single head at s = 1/8 too; read whether or
+    not the manipulation check passes)
+  otherwise (and for a dose point): the closure 1 - G8 / C1, C1 the third study's primary mean, with its range as G8
+    runs over its 95% interval"""
 MARGIN = 0.028   # the later draft's 350M gap, MHAR - single head (zero init, its anneal corpus, LR 5e-4, one seed)
 # differences of paired differences: does random init hurt the single head more than MHAR (the later draft's claim)?
 INTERACTIONS = [("124m", ("attnres_q0.02", "attnres"), ("mhar_q0.02", "mhar")),
