@@ -6,9 +6,13 @@ and an optional tracker (Weights & Biases, --wandb_log). log.jsonl stays the rec
 
 Records in log.jsonl: {"step", "loss", "lr", "grad_norm", "dt_ms", "tok_per_s"} per logged step; {"step",
 "val_loss", "val_bpb", "routing"} per eval, routing (attnres, mhar, delta) = per site, from the eval's first
-microbatch: "entropy" (of the token-averaged routing weights, per head, in [0, ln N] for N sources), "w_first" (the
-weight on the first source: the embedding; in delta mode the null source comes before it, so the embedding is
-source 1 there) and "w_newest" (on the newest source), each a list of sites of lists of heads.
+microbatch: "entropy" (of the token-averaged routing weights, per head, in [0, ln N] for N sources), "kl" (their KL
+divergence from the uniform mix, ln N - entropy: how far routing has left its zero-query start), "logit_sd" (the
+standard deviation over the N sources of the token-averaged logit: how far apart the router scores its sources, in
+logit units, route_scale included), "w_first" (the weight on the first source: the embedding; in delta mode the null
+source comes before it, so the embedding is source 1 there) and "w_newest" (on the newest source), each a list of
+sites of lists of heads. kl and logit_sd are the router's speed as the run measures it: two routers compared at one
+step have moved as far as these say, whatever their learning rates or scales were meant to match.
 """
 import json
 import math
@@ -44,20 +48,34 @@ def routing_statistics(model, x, y, autocast, delta=False):
     for i in range(0, len(x), rows):
         with autocast, torch.compiler.set_stance("force_eager"):
             _, loss, routing = model(x[i:i + rows], y[i:i + rows], return_routing=True)
-        part = [alpha.double().sum((1, 2)) for alpha in routing]        # per site: (N_j, H) summed over tokens
-        sums = part if sums is None else [s + p for s, p in zip(sums, part)]
+        part = token_sums(routing)
+        sums = part if sums is None else [(a + pa, b + pb) for (a, b), (pa, pb) in zip(sums, part)]
         loss_sum += loss.double() * y[i:i + rows].numel()
-    return routing_stats([s / y.numel() for s in sums], delta), loss_sum
+    return routing_stats([(a / y.numel(), b / y.numel()) for a, b in sums], delta), loss_sum
+
+
+def token_sums(routing):
+    """Per site, the routing weights alpha (N_j, B, T, H) summed over the tokens, and their logs summed likewise:
+    [(sum of alpha, sum of log alpha)], each (N_j, H) in float64. log alpha[n] is the logit of source n less the
+    token's log-sum-exp, which is the same for every source, so the log's token mean differs from the logit's token mean
+    by one constant per head: its spread over the sources is the logits'. A weight that underflowed float32 (a logit
+    ~87 below the token's largest) counts as float32's smallest normal number."""
+    tiny = torch.finfo(torch.float32).tiny
+    return [(alpha.double().sum((1, 2)), alpha.double().clamp_min(tiny).log().sum((1, 2))) for alpha in routing]
 
 
 def routing_stats(means, delta=False):
-    """Per site: the entropy of the token-averaged routing weights, and the weight on the first history source (the
-    embedding) and on the newest, per head. means: per site, the routing weights alpha averaged over the tokens,
-    (N_j, H)."""
-    stats = {"entropy": [], "w_first": [], "w_newest": []}
-    for mean in means:
-        mean = mean.double()
-        stats["entropy"].append((0.0 - (mean * mean.clamp_min(1e-30).log()).sum(0)).tolist())   # (0.0 - : no -0.0)
+    """Per site: the entropy of the token-averaged routing weights and its KL divergence from uniform, the spread of
+    the token-averaged logits over the sources, and the weight on the first history source (the embedding) and on the
+    newest, per head. means: per site, (the routing weights alpha averaged over the tokens, the same of log alpha),
+    (N_j, H) each: token_sums over the token count."""
+    stats = {"entropy": [], "kl": [], "logit_sd": [], "w_first": [], "w_newest": []}
+    for mean, log_mean in means:
+        mean, log_mean = mean.double(), log_mean.double()
+        entropy = 0.0 - (mean * mean.clamp_min(1e-30).log()).sum(0)   # (0.0 - : no -0.0)
+        stats["entropy"].append(entropy.tolist())
+        stats["kl"].append((math.log(len(mean)) - entropy).clamp_min(0.0).tolist())   # rounding keeps it >= 0
+        stats["logit_sd"].append(log_mean.std(0, correction=0).tolist())
         stats["w_first"].append(mean[min(int(delta), len(mean) - 1)].tolist())
         stats["w_newest"].append(mean[-1].tolist())
     return stats
@@ -242,8 +260,8 @@ class StepLog:
         self.rt.say(f"eval step {step} | val_loss {val:.4f} | val_bpb " + ("n/a" if bpb is None else f"{bpb:.4f}")
                     + f" | tail-mean({len(tail)}) {sum(tail) / len(tail):.4f}"
                     + (f" | ema {val_ema:.4f}" if val_ema is not None else "")
-                    + (f" | routing entropy {summary['entropy']:.3f}, embedding {summary['w_first']:.3f}, newest "
-                       f"{summary['w_newest']:.3f}" if summary else "") + self.peak_mem())
+                    + (f" | routing entropy {summary['entropy']:.3f}, kl {summary['kl']:.4f}, embedding "
+                       f"{summary['w_first']:.3f}, newest {summary['w_newest']:.3f}" if summary else "") + self.peak_mem())
         self.write({"step": step, "val_loss": val, "val_bpb": bpb, **({} if val_ema is None else {"val_loss_ema": val_ema}),
                     **({"routing": routing} if routing else {})})
         if summary and self.tracker is not None and self.rt.master:   # the routing record's numbers, per site and head

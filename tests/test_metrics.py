@@ -33,7 +33,7 @@ def test_runs_report_bpb_routing_statistics_and_grad_norm(tmp_path, data_dir):
     enc, val = tiktoken.get_encoding("gpt2"), np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16)
     targets = val[1:32 * 64 + 1]   # eval_tokens 2048 = 32 sequences of 64: the tokens each eval predicts
     n_bytes = sum(0 if t == enc.eot_token else len(enc.decode_single_token_bytes(int(t))) for t in targets)
-    assert re.search(r"eval step 4 \| val_loss \d+\.\d+ \| val_bpb \d+\.\d+ .* \| routing entropy [\d.]+, embedding", runs[0].stdout)
+    assert re.search(r"eval step 4 \| val_loss \d+\.\d+ \| val_bpb \d+\.\d+ .* \| routing entropy [\d.]+, kl [\d.]+, embedding", runs[0].stdout)
     for m, out in outs.items():
         records = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
         evals, steps = [r for r in records if "val_loss" in r], [r for r in records if "loss" in r]
@@ -46,10 +46,13 @@ def test_runs_report_bpb_routing_statistics_and_grad_norm(tmp_path, data_dir):
                 continue
             heads = 2 if m == "mhar" else 1
             assert len(r["routing"]["entropy"]) == 5 and all(len(site) == heads for site in r["routing"]["entropy"])
-            for j, (ent, first, newest) in enumerate(zip(*(r["routing"][k] for k in ("entropy", "w_first", "w_newest"))), 1):
+            stats = ("entropy", "kl", "logit_sd", "w_first", "w_newest")
+            for j, (ent, kl, sd, first, newest) in enumerate(zip(*(r["routing"][k] for k in stats)), 1):
                 assert all(-1e-6 <= e <= math.log(j) + 1e-6 for e in ent) and all(-1e-6 <= w <= 1 + 1e-6 for w in first + newest)
-                if r["step"] == 0:   # zero queries: every source weighs 1/j
+                assert kl == pytest.approx([max(math.log(j) - e, 0.0) for e in ent], abs=1e-12) and all(x >= 0 for x in kl + sd)
+                if r["step"] == 0:   # zero queries: every source weighs 1/j, every logit is 0
                     assert ent == pytest.approx([math.log(j)] * heads, abs=1e-6) and first == pytest.approx([1 / j] * heads)
+                    assert kl == pytest.approx([0.0] * heads, abs=1e-6) and sd == pytest.approx([0.0] * heads, abs=1e-6)
 
 
 def test_routing_statistics_read_a_forced_query():
@@ -62,9 +65,47 @@ def test_routing_statistics_read_a_forced_query():
         model.blocks[0].attn.o_proj.weight.zero_()
         model.routes[1].q.copy_(50 * e)
         _, _, alpha = model(torch.randint(0, 96, (2, 9)), return_routing=True)
-    stats = metrics.routing_stats([a.mean((1, 2)) for a in alpha])
+    stats = metrics.routing_stats([(a / 18, b / 18) for a, b in metrics.token_sums(alpha)])   # 2 x 9 tokens
     assert stats["entropy"][1] == pytest.approx([0.0, 0.0], abs=1e-6) and stats["w_first"][1] == pytest.approx([1.0, 1.0])
     assert stats["entropy"][0] == [0.0, 0.0] and stats["entropy"][2] == pytest.approx([math.log(3)] * 2)   # q = 0
+    assert stats["kl"][1] == pytest.approx([math.log(2)] * 2, abs=1e-6) and stats["kl"][2] == pytest.approx([0, 0])
+
+
+def test_router_speed_statistics_equal_a_hand_computation():
+    """kl and logit_sd, the router's speed as a run logs it, against a hand computation in float64 (numpy) from the
+    sources themselves: site 2 of a tiny MHAR model (H = 2) routes over the embedding e (one vector for every token)
+    and the first sublayer's output, zeroed, with the query 0.3 e at route_scale 1.5. Per head h the logits are
+    1.5 * 0.3 * sum over the head's channels of e * g * RMSNorm(e) for the embedding and 0 for the zero source, so
+    logit_sd is half their difference and kl = ln 2 - the entropy of softmax((l, 0)). A third site with a random
+    query checks logit_sd against the logits route_reference computes (its token-averaged logits' spread)."""
+    model = GPT(tiny_cfg(residual="mhar", route_heads=2, route_scale=1.5)).eval()
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(48, generator=gen)
+    with torch.no_grad():
+        model.wte.weight.copy_(e.expand_as(model.wte.weight))
+        model.blocks[0].attn.o_proj.weight.zero_()
+        model.routes[1].q.copy_(0.3 * e)
+        model.routes[1].g.copy_(1 + 0.1 * torch.randn(48, generator=gen))
+        model.routes[2].q.copy_(torch.randn(48, generator=gen))
+        sources = []
+        model.routing_observer = lambda site, stacked: sources.append(stacked.double())
+        idx = torch.randint(0, 96, (2, 9), generator=gen)
+        _, _, alpha = model(idx, return_routing=True)
+    stats = metrics.routing_stats([(a / idx.numel(), b / idx.numel()) for a, b in metrics.token_sums(alpha)])
+    ed, g = e.double().numpy(), model.routes[1].g.detach().double().numpy()
+    normed = ed / np.sqrt((ed ** 2).mean() + 1e-6)
+    logit = 1.5 * (0.3 * ed * g * normed).reshape(2, 24).sum(1)      # per head; the zero source's logit is 0
+    p = np.exp(logit) / (np.exp(logit) + 1)                            # the embedding's weight, every token alike
+    entropy = -(p * np.log(p) + (1 - p) * np.log(1 - p))
+    assert stats["logit_sd"][1] == pytest.approx(np.abs(logit) / 2, rel=1e-5)
+    assert stats["kl"][1] == pytest.approx(np.log(2) - entropy, rel=1e-5)
+    s = sources[2]                                                     # site 3: (3, B, T, 48), a random query
+    site = model.routes[2]
+    keys = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * site.gain().detach().double()
+    logits = (keys * site.q.detach().double()).view(3, 2, 9, 2, 24).sum(-1)       # (N, B, T, H)
+    assert stats["logit_sd"][2] == pytest.approx(logits.mean((1, 2)).std(0, correction=0).tolist(), rel=1e-5)
+    mean = torch.softmax(logits, 0).mean((1, 2))
+    assert stats["kl"][2] == pytest.approx((math.log(3) + (mean * mean.log()).sum(0)).tolist(), rel=1e-5)
 
 
 class PeakLiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -116,7 +157,7 @@ def test_routing_statistics_stay_within_the_fused_source_buffer():
     assert peaks["pieces"] < buffer < peaks["whole"] / 4, (peaks, buffer)
     stats, loss_sum = results["pieces"]
     _, loss, alpha = results["whole"]
-    whole = metrics.routing_stats([a.double().mean((1, 2)) for a in alpha])
+    whole = metrics.routing_stats([(a / y.numel(), b / y.numel()) for a, b in metrics.token_sums(alpha)])
     for key in whole:
         assert np.allclose(stats[key], whole[key], rtol=0, atol=1e-6), key
     assert loss_sum.item() == pytest.approx(loss.item() * y.numel(), rel=1e-5)

@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from support import HERE, TRAIN_ARGS, load_module, together
 
 
@@ -124,6 +126,79 @@ def test_study_plan_analyses_exactly_the_planned_seeds(tmp_path):
     assert "attnres - mhar: pending, 3 planned run(s) missing: 350m_attnres_s1 350m_attnres_s2 350m_attnres_s3" in table
     fp, extended = study.simulate_extension(0.006, runs=20000)
     assert 0.04 < fp < 0.06 and extended < 0.1
+
+
+def write_routed_log(path, v, kl, heads=1, sites=4, logged=False):
+    """A 350M-style log: 21 evals falling to v (tail-5 v + 0.002), each with routing records whose KL from uniform is
+    kl at every site with more than one source and every head: entropy ln j - kl at site j (site 1: 0); logged=True
+    also writes kl and logit_sd themselves, as runs of the fourth study on do (logit_sd: 10 kl)."""
+    with open(path, "w") as f:
+        for step in range(0, 2001, 100):
+            k = 0.0 if step == 0 else kl
+            ent = [[0.0] * heads] + [[math.log(j) - k] * heads for j in range(2, sites + 1)]
+            routing = {"entropy": ent} | ({"kl": [[0.0] * heads] + [[k] * heads] * (sites - 1),
+                                           "logit_sd": [[0.0] * heads] + [[10 * k] * heads] * (sites - 1)} if logged else {})
+            f.write(json.dumps({"step": step, "val_loss": v + (2000 - step) / 1e5, "routing": routing}) + "\n")
+
+
+def test_fourth_study_reads_router_speed_and_its_rules(tmp_path):
+    """report.py's fourth study on hand-made logs (a test of its arithmetic and rules, not a result): the router's speed
+    from logged entropies (ln N - entropy) and from logged kl alike, the manipulation check's ratio over steps
+    300-1,000, each outcome of PLAN4_RULES (speed account, head cost, scale or regime, a dose point with the closure
+    against the third study's primary), Holm over the family of four with a pending comparison counted in, the drift
+    check, and each run's lowest-loss step."""
+    study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
+
+    def write(folder, g8, g4, kl_b=0.1, c1=-0.05):
+        """ref = the single head at s = 1/8 at 3.5 (KL 0.1, old-style log); MHAR H = 8 at s = 2 (logged kl_b) and
+        H = 4 at ref - g8 / ref - g4 per seed; MHAR H = 8 at s = 1 at ref - c1; the plain single head; the baseline."""
+        folder.mkdir()
+        jitter = [0.002, -0.001, 0.0, -0.001]
+        for sd in range(4):
+            write_routed_log(folder / f"350m_attnres_s{sd}_x0.125.log.jsonl", 3.5, 0.1)
+            write_routed_log(folder / f"350m_mhar_s{sd}_x2.log.jsonl", 3.5 - g8 - jitter[sd], kl_b, 8, logged=True)
+            write_routed_log(folder / f"350m_mhar_s{sd}_h4.log.jsonl", 3.5 - g4 + jitter[sd], 0.08, 4, logged=True)
+            write_routed_log(folder / f"350m_mhar_s{sd}.log.jsonl", 3.5 - c1 + jitter[sd], 0.05, 8)
+            write_routed_log(folder / f"350m_attnres_s{sd}.log.jsonl", 3.48 + jitter[sd], 0.3)
+            if sd < 3:   # the baseline's seed 3 is pending
+                write_eval_log(folder / f"350m_baseline_s{sd}.log.jsonl", 3.55 + jitter[sd] / 2)
+        return study.runs(str(folder))
+
+    rs = write(tmp_path / "speed", g8=0.0, g4=0.001)
+    assert study.router_speed({"entropy": [[0.0], [math.log(2) - 0.1], [math.log(3) - 0.1]]})[0] == pytest.approx(0.1)
+    assert rs[("350m", "mhar_x2", 0)]["speed"][500] == pytest.approx((0.1, 1.0))   # logged kl and logit_sd
+    assert rs[("350m", "mhar_x2", 0)]["best"] == 2000
+    assert study.kl_ratio(rs, "350m", "mhar_x2", "attnres_x0.125", [0, 1, 2, 3]) == pytest.approx(1.0)
+    text = study.fourth_study(rs, str(tmp_path / "no_drift"))
+    assert "manipulation check: mhar_x2's KL from uniform at steps 300-1000 is 1.00x attnres_x0.125's" in text
+    assert "outcome: speed account" in text and "mhar_h4's KL at the same steps, described: 0.80x" in text
+    assert "mhar - baseline: pending, 1 planned run(s) missing: 350m_baseline_s3" in text
+    assert "| G4: single head s = 1/8 - MHAR H = 4: attnres_x0.125 - mhar_h4 | tail-5 | 0,1,2,3 |" in text
+    ps = {(a, b): study.p_value(study.paired(rs, "350m", a, b, "tail")[2]) for _, a, b in study.PLAN4[3:]}
+    holm = sorted(ps.values())   # the family of four, two of them pending (p = 1): m = 4 for the smallest
+    assert f"(Holm {study.fmt_p(min(1, 4 * holm[0]))})" in text and f"(Holm {study.fmt_p(min(1, max(4 * holm[0], 3 * holm[1])))})" in text
+    assert "the step of each run's lowest val loss: 350m_attnres_x0.125_s0 2000" in text
+    assert "MHAR - baseline -0.080, single head - baseline +0.055" in text and "drift check: pending" in text
+    table = study.speed_table(rs, "350m", "attnres_x0.125", ["mhar", "mhar_x2", "mhar_h4"])
+    assert "| mhar | 0,1,2,3 | 0.0500 (0.50x: 0.50-0.50) |" in table and "| mhar_x2 | 0,1,2,3 | 1.000 |" in table
+    text = study.fourth_study(write(tmp_path / "cost", g8=-0.06, g4=0.001), None)
+    assert "outcome: head cost" in text and "drift check" not in text
+    text = study.fourth_study(write(tmp_path / "scale", g8=-0.06, g4=-0.06), None)
+    assert "outcome: scale or regime" in text
+    rs = write(tmp_path / "dose", g8=-0.03, g4=0.001, kl_b=0.05, c1=-0.06)   # the check not met: a dose point
+    text = study.fourth_study(rs, None)
+    assert "is 0.50x attnres_x0.125's (the rule: 0.7-1.4x): not met, so mhar_x2 is read as a dose point" in text
+    assert "outcome: a dose point (the manipulation check not met): the closure 1 - G8 / C1 (C1 = -0.0600" in text
+    g8 = study.paired(rs, "350m", "attnres_x0.125", "mhar_x2", "tail")[2]   # ref - (ref - g8 - jitter): mean g8
+    assert abs(g8["mean"] + 0.03) < 1e-9 and "is 50%, " in text
+    assert f"{1 - g8['lo'] / -0.06:.0%} to {1 - g8['hi'] / -0.06:.0%} over G8's 95% interval" in text
+    drift = tmp_path / "dose_drift"   # the drift check: the reference arm's seed 0 again, 0.005 higher
+    drift.mkdir()
+    write_routed_log(drift / "350m_attnres_s0_x0.125.log.jsonl", 3.505, 0.1)
+    (drift / "350m_attnres_s0_x0.125.txt").write_text("git abc1234 | torch\n")
+    assert "drift check: 350m_attnres_x0.125_s0 on tree abc1234 ends at tail-5 3.5070, its log's (tree None) 3.5020: " \
+        "+0.0050, within +-0.01" in study.fourth_study(rs, str(drift))
+    assert study.fourth_study({}) == ""
 
 
 def test_temperature_study_report_pairs_seeds(tmp_path):

@@ -89,6 +89,16 @@ PLAN4_RULES = """outcomes, in this order (G8 and G4: tail-5, n = 4 unless G8 ext
     not the manipulation check passes)
   otherwise (and for a dose point): the closure 1 - G8 / C1, C1 the third study's primary mean, with its range as G8
     runs over its 95% interval"""
+# the paper's 350M numbers (tail-mean of its last 11 evals, 20k steps, Qwen3 tokenizer), both versions, each with its
+# conditions: T1 and T2 there are MHAR - baseline and single head - baseline
+PAPER_350M = {"FineWeb-Edu version (its Table 1: LR 1e-3, random-init queries as its later draft says)":
+              dict(baseline=3.290, hyper=3.260, attnres=3.345, mhar=3.210),
+              "later draft (its anneal corpus, zero-init queries, LR 5e-4, MHAR H = 8)":
+              dict(baseline=2.997, hyper=2.931, attnres=2.876, mhar=2.848)}
+# the router's speed as the runs measured it (router_speed): each arm beside a reference arm at these steps, paired by
+# seed; a description, no test
+SPEED_STEPS = (100, 300, 500, 1000, 2000)
+SPEED_TABLES = [("350m", "attnres_x0.125", ["attnres", "mhar", "mhar_x2", "mhar_h4"])]   # --speed adds others
 MARGIN = 0.028   # the later draft's 350M gap, MHAR - single head (zero init, its anneal corpus, LR 5e-4, one seed)
 # differences of paired differences: does random init hurt the single head more than MHAR (the later draft's claim)?
 INTERACTIONS = [("124m", ("attnres_q0.02", "attnres"), ("mhar_q0.02", "mhar")),
@@ -160,9 +170,21 @@ def seeds_for_power(mean, sd, power=0.8):
 def load(path):
     recs = read_log(path)   # checkpoint.py's reader: a partial last line is left out
     evals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    speed = {r["step"]: router_speed(r["routing"]) for r in recs if r.get("routing")}
     steps = sorted(evals)
     return dict(evals=evals, last=steps[-1], final=evals[steps[-1]], tail=statistics.mean(evals[s] for s in steps[-5:]),
-                last11=statistics.mean(evals[s] for s in steps[-11:]))
+                last11=statistics.mean(evals[s] for s in steps[-11:]), best=min(steps, key=evals.get), speed=speed)
+
+
+def router_speed(routing):
+    """How far routing has moved at one eval, from its log record (metrics.routing_stats): (the KL from uniform of the
+    token-averaged weights, the spread of the token-averaged logits over the sources or None where the log predates
+    it), each the mean over heads and over the sites with more than one source. A log without "kl" (written before it
+    was logged) gives it as ln N - entropy, N = j at full routing's site j (the embedding and j - 1 sublayer outputs;
+    every run of this study routes over the full history)."""
+    kl = routing.get("kl") or [[math.log(j) - e for e in heads] for j, heads in enumerate(routing["entropy"], 1)]
+    mean = lambda sites: statistics.mean(x for heads in sites[1:] for x in heads)  # noqa: E731  (site 1: one source)
+    return mean(kl), mean(routing["logit_sd"]) if "logit_sd" in routing else None
 
 
 def runs(log_dir):
@@ -234,9 +256,9 @@ def interaction(rs, shape, first, second, metric):
 
 
 def tables(rs):
-    lines = ["| shape | config | seed | steps | final | tail-5 |", "|---|---|---|---|---|---|"]
+    lines = ["| shape | config | seed | steps | final | tail-5 | lowest val loss at step |", "|---|---|---|---|---|---|---|"]
     for (shape, cfg, seed), r in sorted(rs.items()):
-        lines.append(f"| {shape} | {cfg} | {seed} | {r['last']} | {r['final']:.4f} | {r['tail']:.4f} |")
+        lines.append(f"| {shape} | {cfg} | {seed} | {r['last']} | {r['final']:.4f} | {r['tail']:.4f} | {r['best']} |")
     head = ["| shape | A - B | seeds | per-seed deltas, tail-5 | mean +- SE, tail-5 | \\|mean\\| / SE (95%: >) | "
             "same sign | mean +- SE, final | 95% interval, tail-5 | seeds for 80% power |", "|" + "---|" * 10]
     for title, pairs in (("planned", PLAN), ("the second study, planned", PLAN2),
@@ -270,18 +292,19 @@ def row(shape, name, seeds, d, st, fin):
                if st else "- | - | - | - | - | - |"))
 
 
-def plan3_seeds(rs):
-    """The seeds each PLAN3 comparison is analysed on, by the plan: seeds 0-3; the primary's 0-5 when the SD of its
-    four tail-5 deltas is above EXTEND_SD. -> ({(a, b): seeds, or None while a planned run is missing}, [lines: what is
-    pending, which rule applied, which present runs are left out])."""
+def plan_seeds(rs, plan, base):
+    """The seeds each comparison of a plan (its first, the primary, extends) is analysed on: the base seeds; the
+    primary's base + EXTENSION when the SD of its tail-5 deltas on the base seeds is above EXTEND_SD. -> ({(a, b):
+    seeds, or None while a planned run is missing}, [lines: what is pending, which rule applied, which present runs of
+    the plan's configs are left out])."""
     notes, use, wants = [], {}, {}
-    for i, (shape, a, b) in enumerate(PLAN3):
-        want = PLAN3_SEEDS
+    for i, (shape, a, b) in enumerate(plan):
+        want = base
         have = [sd for sd in want if (shape, a, sd) in rs and (shape, b, sd) in rs]
-        if i == 0 and have == list(PLAN3_SEEDS):
-            sd4 = statistics.stdev(rs[(shape, a, x)]["tail"] - rs[(shape, b, x)]["tail"] for x in PLAN3_SEEDS)
+        if i == 0 and have == list(base):
+            sd4 = statistics.stdev(rs[(shape, a, x)]["tail"] - rs[(shape, b, x)]["tail"] for x in base)
             if sd4 > EXTEND_SD:
-                want = PLAN3_SEEDS + EXTENSION
+                want = base + EXTENSION
                 have = [sd for sd in want if (shape, a, sd) in rs and (shape, b, sd) in rs]
             notes.append(f"the extension rule: the SD of the four primary tail-5 deltas is {sd4:.4f}, "
                          + (f"above {EXTEND_SD:g}: seeds 4-5 of the pair are run and the primary is analysed at n = 6"
@@ -291,11 +314,11 @@ def plan3_seeds(rs):
         if use[(a, b)] is None:
             missing = [f"{shape}_{c}_s{sd}" for sd in want for c in (a, b) if (shape, c, sd) not in rs]
             notes.append(f"{a} - {b}: pending, {len(missing)} planned run(s) missing: {' '.join(missing)}")
-    if use[PLAN3[0][1:]] is None:   # the extension is not decided yet: the pair's seeds 4-5 may still be planned
-        wants[PLAN3[0][1:]] = list(PLAN3_SEEDS + EXTENSION)
+    if use[plan[0][1:]] is None:   # the extension is not decided yet: the pair's seeds 4-5 may still be planned
+        wants[plan[0][1:]] = list(base + EXTENSION)
     planned = {(c, sd) for pair, seeds in wants.items() for c in pair for sd in seeds}
     configs = {c for pair in wants for c in pair}
-    extra = sorted(k for k in rs if k[0] == PLAN3[0][0] and k[1] in configs and k[1:] not in planned)
+    extra = sorted(k for k in rs if k[0] == plan[0][0] and k[1] in configs and k[1:] not in planned)
     if extra:
         notes.append("left out, not in the plan's seeds: " + " ".join(f"{sh}_{c}_s{sd}" for sh, c, sd in extra))
     return use, notes
@@ -307,26 +330,31 @@ def fmt_p(p):
 
 
 def third_study(rs):
-    """The third study's table, on exactly the planned seeds (plan3_seeds): each PLAN3 comparison on tail-5, which
+    """The third study's table, on exactly the planned seeds (plan_seeds): each PLAN3 comparison on tail-5, which
     decides, with its p (Holm-adjusted over the secondary comparisons, PLAN3[1:]; the primary one is tested alone), its
     95% interval, the 90% interval the equivalence test reads, the power to find MARGIN at the measured spread, the
     plan's outcome, and the seeds whose two runs trained on different trees (a rerun of one seed moved a run's tail-5
     by ~0.005: README.md); last-11 below each, described (no outcome); then the closure. "" without any 350M run."""
     if not any(k[0] == PLAN3[0][0] and k[1] in {c for _, a, b in PLAN3 for c in (a, b)} for k in rs):
         return ""
-    use, notes = plan3_seeds(rs)
+    use, notes = plan_seeds(rs, PLAN3, PLAN3_SEEDS)
+    holm = holm_family(rs, PLAN3[1:], use)   # the secondary comparisons get Holm-adjusted p values, per metric
+    lines, results = plan_table(rs, PLAN3, PLAN3_LABELS, use, holm, MARGIN)
+    c1, c2 = results.get(("tail", *PLAN3[0][1:])), results.get(("tail", *PLAN3[1][1:]))
+    if c1 and c2:
+        notes.append("closure: " + closure(c1, c2, holm[("tail", *PLAN3[1][1:])]))
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
+def plan_table(rs, plan, labels, use, holm, margin):
+    """A planned study's table: each comparison (shape, A, B) on its seeds (use) on tail-5, which decides, with its p
+    (Holm's where holm has it; the primary is tested alone), its 95% and 90% intervals, the power to find a delta of
+    margin at the measured spread, the outcome (separated; equivalent within +-margin), and the seeds whose two runs
+    trained on different trees; last-11 below it, described. -> (lines, {(metric, A, B): stats})."""
     lines = [f"| A - B | metric | seeds | per-seed deltas | mean +- SE | \\|t\\| (95%: >) | p | 95% interval "
-             f"| 90% interval | power for {MARGIN:g} | outcome | pairs from two trees |", "|" + "---|" * 12]
-    holm = {}   # the secondary comparisons (PLAN3[1:]) get Holm-adjusted p values, per metric
-    for metric in ("tail", "last11"):
-        ps = {(a, b): p_value(stats(d)) for shape, a, b in PLAN3[1:] if use[(a, b)]
-              for d in [[rs[(shape, a, x)][metric] - rs[(shape, b, x)][metric] for x in use[(a, b)]]]}
-        running = 0.0
-        for i, (key, p) in enumerate(sorted(ps.items(), key=lambda kv: kv[1])):
-            running = max(running, min(1.0, (len(ps) - i) * p))
-            holm[(metric, *key)] = running
+             f"| 90% interval | power for {margin:g} | outcome | pairs from two trees |", "|" + "---|" * 12]
     results = {}
-    for (shape, a, b), label in zip(PLAN3, PLAN3_LABELS):
+    for (shape, a, b), label in zip(plan, labels):
         if not use[(a, b)]:
             lines.append(f"| {label}: {a} - {b} | tail-5 | pending | - | - | - | - | - | - | - | - | - |")
             continue
@@ -337,18 +365,147 @@ def third_study(rs):
             adjusted = holm.get((metric, a, b))
             results[(metric, a, b)] = st
             p = fmt_p(p_value(st)) + (f" (Holm {fmt_p(adjusted)})" if adjusted is not None else "")
+            power = t_power(margin / st["sd"], len(d)) if st["sd"] > 0 else 1.0
             mixed = [f"s{x}: {rs[(shape, a, x)]['tree']} / {rs[(shape, b, x)]['tree']}" for x in seeds
                      if rs[(shape, a, x)]["tree"] != rs[(shape, b, x)]["tree"]]
             lines.append(f"| {label if metric == 'tail' else ''}{': ' if metric == 'tail' else ''}"
                          f"{a} - {b} | {name} | {','.join(map(str, seeds))} | {' '.join(f'{x:+.4f}' for x in d)} | "
                          f"{st['mean']:+.4f} +- {st['se']:.4f} | {abs(st['t']):.2f} ({st['t95']:.3f}) | {p} | "
                          f"{st['lo']:+.4f} to {st['hi']:+.4f} | {st['lo90']:+.4f} to {st['hi90']:+.4f} | "
-                         f"{st['power_margin']:.2f} | {outcome(st, adjusted) if metric == 'tail' else 'descriptive'} | "
+                         f"{power:.2f} | {outcome(st, adjusted, margin) if metric == 'tail' else 'descriptive'} | "
                          f"{', '.join(mixed) or 'none'} |")
-    c1, c2 = results.get(("tail", *PLAN3[0][1:])), results.get(("tail", *PLAN3[1][1:]))
-    if c1 and c2:
-        notes.append("closure: " + closure(c1, c2, holm[("tail", *PLAN3[1][1:])]))
+    return lines, results
+
+
+def fourth_study(rs, drift_dir=None):
+    """The fourth study's reading (PLAN4, fixed before its runs): the table of its five comparisons (G8 tested alone,
+    the other four one Holm family; equivalence within +-PLAN4_BAND), the manipulation check, the outcome by
+    PLAN4_RULES, the closure against the third study's primary, the paper's two versions beside T1 and T2, and the
+    drift check (the single head at s = 1/8, seed 0, rerun into drift_dir). "" before any of its runs."""
+    shape = PLAN4[0][0]
+    if not any(k[0] == shape and k[1] in ("baseline", "mhar_x2", "mhar_h4") for k in rs):
+        return ""
+    use, notes = plan_seeds(rs, PLAN4, PLAN4_SEEDS)
+    holm = holm_family(rs, PLAN4[1:], use)
+    lines, results = plan_table(rs, PLAN4, PLAN4_LABELS, use, holm, PLAN4_BAND)
+    (_, ref, b), (_, _, c) = PLAN4[0], PLAN4[3]
+    check = kl_ratio(rs, shape, b, ref, use[(ref, b)] or PLAN4_SEEDS)
+    lo, hi = PLAN4_KL_RANGE
+    if check is not None:
+        notes.append(f"manipulation check: {b}'s KL from uniform at steps {PLAN4_KL_STEPS[0]}-{PLAN4_KL_STEPS[1]} is "
+                     f"{check:.2f}x {ref}'s (the rule: {lo:g}-{hi:g}x): "
+                     + ("met" if lo <= check <= hi else f"not met, so {b} is read as a dose point, not a matched arm"))
+    c_ratio = kl_ratio(rs, shape, c, ref, use[(ref, c)] or PLAN4_SEEDS)
+    if c_ratio is not None:
+        notes.append(f"{c}'s KL at the same steps, described: {c_ratio:.2f}x {ref}'s")
+    g8, g4 = results.get(("tail", ref, b)), results.get(("tail", ref, c))
+    use3, _ = plan_seeds(rs, PLAN3, PLAN3_SEEDS)
+    c1 = use3[PLAN3[0][1:]] and statistics.mean(rs[(shape, PLAN3[0][1], x)]["tail"] - rs[(shape, PLAN3[0][2], x)]["tail"]
+                                                for x in use3[PLAN3[0][1:]])
+    if g8 and g4 and check is not None:
+        notes.append("outcome: " + plan4_outcome(g8, g4, lo <= check <= hi, c1))
+    for version, v in PAPER_350M.items():
+        notes.append(f"the paper at 350M, {version}: MHAR - baseline {v['mhar'] - v['baseline']:+.3f}, single head - "
+                     f"baseline {v['attnres'] - v['baseline']:+.3f} (T1 and T2 there)")
+    minima = [f"{shape}_{cfg}_s{sd} {rs[(shape, cfg, sd)]['best']}" for cfg in dict.fromkeys(x for p in PLAN4 for x in p[1:])
+              for sd in PLAN4_SEEDS if (shape, cfg, sd) in rs]
+    notes.append("the step of each run's lowest val loss: " + ", ".join(minima))
+    drift = drift_check(rs, drift_dir)
+    if drift:
+        notes.append(drift)
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
+def plan4_outcome(g8, g4, matched, c1):
+    """PLAN4_RULES on G8 and G4 (tail-5 stats): 'inside' = the 90% interval within +-PLAN4_BAND, 'below' = the 95%
+    upper bound under PLAN4_COST; matched: the manipulation check met; c1: the third study's primary mean."""
+    inside = lambda st: -PLAN4_BAND < st["lo90"] and st["hi90"] < PLAN4_BAND  # noqa: E731
+    below = lambda st: st["hi"] < PLAN4_COST  # noqa: E731
+    if matched and inside(g8) and inside(g4):
+        return "speed account: G8 and G4 inside +-0.02; the third study's head-cost reading is withdrawn"
+    if matched and below(g8) and inside(g4):
+        return "head cost: G8 below -0.04 and G4 inside +-0.02"
+    if below(g4):
+        return "scale or regime: G4 below -0.04"
+    head = "a dose point (the manipulation check not met)" if not matched else "none of the three"
+    if not c1:
+        return f"{head}; the closure waits for the third study's primary"
+    f = lambda g: 1 - g / c1  # noqa: E731
+    return (f"{head}: the closure 1 - G8 / C1 (C1 = {c1:+.4f}, the third study's primary) is {f(g8['mean']):.0%}, "
+            f"{min(f(g8['lo']), f(g8['hi'])):.0%} to {max(f(g8['lo']), f(g8['hi'])):.0%} over G8's 95% interval")
+
+
+def kl_ratio(rs, shape, arm, ref, seeds, steps=PLAN4_KL_STEPS):
+    """arm's KL from uniform (router_speed) averaged over the seeds and the evals at steps[0]..steps[1], over ref's on
+    the same seeds and evals; None while a run is missing."""
+    if not all((shape, c, x) in rs for c in (arm, ref) for x in seeds):
+        return None
+    total = lambda c: sum(kl for x in seeds for step, (kl, _) in rs[(shape, c, x)]["speed"].items()  # noqa: E731
+                          if steps[0] <= step <= steps[1])
+    return total(arm) / total(ref)
+
+
+def drift_check(rs, drift_dir, name=("350m", "attnres_x0.125", 0), tolerance=0.01):
+    """The drift check: a run of the plan repeated on a later tree into drift_dir, its tail-5 against its log's."""
+    if not drift_dir:
+        return ""
+    shape, cfg, seed = name
+    again = runs(drift_dir).get(name)
+    if again is None or name not in rs:
+        return f"drift check: pending ({shape}_{cfg}_s{seed} in {drift_dir})"
+    d = again["tail"] - rs[name]["tail"]
+    return (f"drift check: {shape}_{cfg}_s{seed} on tree {again['tree']} ends at tail-5 {again['tail']:.4f}, its log's "
+            f"(tree {rs[name]['tree']}) {rs[name]['tail']:.4f}: {d:+.4f}, "
+            + ("within" if abs(d) <= tolerance else "outside") + f" +-{tolerance:g}")
+
+
+def speed_table(rs, shape, ref, arms, steps=SPEED_STEPS):
+    """The router's speed: each arm's KL from uniform at the given steps (mean over its seeds), and beside it its ratio
+    to ref's on the same seeds (per seed, paired: the mean and the range); then the logits' spread where the logs
+    carry it. "" when ref has no run of the shape."""
+    ref_seeds = {x for (sh, c, x) in rs if sh == shape and c == ref and rs[(sh, c, x)]["speed"]}
+    if not ref_seeds:   # (the first studies' 100M and 124M logs were written before evals logged routing)
+        return ""
+    head = "| arm | seeds | " + " | ".join(f"step {st}" for st in steps) + " |"
+    kl_lines = [f"{shape}: KL from uniform, mean over seeds (ratio to {ref}, paired by seed: mean, range)", "",
+                head, "|---|---|" + "---|" * len(steps)]
+    sd_lines = [f"{shape}: the logits' spread over the sources, mean over seeds (logged by runs of the fourth study "
+                "on)", "", head, "|---|---|" + "---|" * len(steps)]
+    for arm in [ref] + arms:
+        seeds = sorted(x for (sh, c, x) in rs if sh == shape and c == arm and x in ref_seeds and rs[(sh, c, x)]["speed"])
+        if not seeds:
+            continue
+        cells, sds = [], []
+        for st in steps:
+            kl = [rs[(shape, arm, x)]["speed"].get(st, (None, None)) for x in seeds]
+            base = [rs[(shape, ref, x)]["speed"].get(st, (None, None))[0] for x in seeds]
+            if any(k is None for k, _ in kl) or any(b is None or b <= 0 for b in base):
+                cells.append("-")
+            else:
+                ratio = [k / b for (k, _), b in zip(kl, base)]
+                cells.append(f"{statistics.mean(k for k, _ in kl):.4f} ({statistics.mean(ratio):.2f}x: "
+                             f"{min(ratio):.2f}-{max(ratio):.2f})")
+            sds.append(f"{statistics.mean(v for _, v in kl):.3f}" if all(v is not None for _, v in kl) else "-")
+        label = f"{arm} (reference)" if arm == ref else arm
+        kl_lines.append(f"| {label} | {','.join(map(str, seeds))} | " + " | ".join(cells) + " |")
+        if any(x != "-" for x in sds):
+            sd_lines.append(f"| {label} | {','.join(map(str, seeds))} | " + " | ".join(sds) + " |")
+    return "\n".join(kl_lines + ([""] + sd_lines if len(sd_lines) > 4 else []))
+
+
+def holm_family(rs, family, use):
+    """Holm-adjusted p values {(metric, A, B): p} of a family of comparisons (shape, A, B), each on its seeds in
+    use[(A, B)]: the step-down rule, the k-th smallest of the family's m p values times (m - k + 1), never below the
+    one before. A pending comparison (its seeds None) gets none and counts as p = 1, so m stays the plan's."""
+    holm = {}
+    for metric in ("tail", "last11"):
+        ps = {(a, b): p_value(stats(d)) for shape, a, b in family if use[(a, b)]
+              for d in [[rs[(shape, a, x)][metric] - rs[(shape, b, x)][metric] for x in use[(a, b)]]]}
+        running = 0.0
+        for i, (key, p) in enumerate(sorted(ps.items(), key=lambda kv: kv[1])):
+            running = max(running, min(1.0, (len(family) - i) * p))   # m: the whole family, a pending one as p = 1
+            holm[(metric, *key)] = running
+    return holm
 
 
 def closure(c1, c2, p2):
@@ -536,7 +693,13 @@ if __name__ == "__main__":
     ap.add_argument("--fig_dir", help="where the figures go (default: this folder for logs/, else the log folder)")
     ap.add_argument("--simulate_plan", action="store_true", help="the third study's extension rule, simulated: its "
                     "false-positive rate and power at a range of per-seed spreads (the numbers its plan quotes)")
+    ap.add_argument("--speed", action="append", default=[], metavar="SHAPE:REF:ARM,ARM",
+                    help="another router-speed table: each ARM's KL from uniform and its ratio to REF's, paired by seed "
+                    "(configs as the logs name them, e.g. 350m:attnres_x0.125:mhar,attnres); repeatable")
     args = ap.parse_args()
+    for x in args.speed:
+        if x.count(":") != 2 or not all(x.split(":")):
+            ap.error(f"--speed={x} is not SHAPE:REF:ARM[,ARM...], e.g. --speed=350m:attnres_x0.125:mhar,attnres")
     if args.simulate_plan:
         print("| per-seed SD | false positives (mean 0) | power for 0.028 | power for 0.014 | extended (mean 0) |\n"
               "|---|---|---|---|---|")
@@ -551,6 +714,14 @@ if __name__ == "__main__":
     if third_study(rs):
         print(f"\nThe third study (350M, planned; A ahead = A's loss lower; equivalent = within +-{MARGIN:g}):\n")
         print(third_study(rs))
+    if fourth_study(rs):
+        print(f"\nThe fourth study (350M, planned; A ahead = A's loss lower; equivalent = within +-{PLAN4_BAND:g}):\n")
+        print(fourth_study(rs, os.path.join(args.log_dir, "..", "logs_drift")))
+    speeds = [speed_table(rs, shape, ref, arms) for shape, ref, arms in SPEED_TABLES
+              + [(sh, ref, arms.split(",")) for sh, ref, arms in (x.split(":") for x in args.speed)]]
+    if any(speeds):
+        print("\nThe router's speed, measured (a description; report.py's router_speed):\n\n"
+              + "\n\n".join(x for x in speeds if x))
     print()
     print(sweep(rs))
     here = os.path.join(HERE, "logs")
