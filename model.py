@@ -630,11 +630,12 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, eps=1e-8, decay_all=True, fused=None,
                              routing_lr_scale=1.0):
-        """AdamW. The paper decays every parameter (decay_all=True, the default); decay_all=False puts norms,
-        embeddings, routing and hyper-connection parameters in a no-decay group. A group of their own, LR times
-        routing_lr_scale (its "lr_scale", applied by train.py): delta's new routing parameters (no decay); attnres /
-        mhar's queries where routing_lr_scale != 1, their decay per step (LR x weight decay) kept, so that from q = 0
-        routing_lr_scale = s trains route_scale = s's model (logits see s q; Adam ignores the gradient's scale)."""
+        """AdamW. The paper decays every parameter (its FineWeb version's appendix; decay_all=True, the
+        default); decay_all=False puts norms, embeddings, routing and hyper-connection parameters in a no-decay
+        group. A group of their own, LR times routing_lr_scale (its "lr_scale", applied by train.py): delta's
+        new routing parameters (no decay); attnres / mhar's queries where routing_lr_scale != 1, their decay per
+        step (LR x weight decay) kept, so that from q = 0 routing_lr_scale = s trains route_scale = s's model
+        (logits see s q; Adam ignores the gradient's scale)."""
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         delta = self.cfg.residual == "delta"
         own = lambda n: n.startswith("routes.") and (delta or routing_lr_scale != 1 and n.endswith(".q"))  # noqa: E731
