@@ -250,7 +250,7 @@ def parser():
     p.add_argument("--device", type=Device(), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda | cuda:N | cpu")
     p.add_argument("--profile", action="store_true", help="also write a torch.profiler trace of 3 steps per run")
-    p.add_argument("--output", type=Path("out_file"), default="out/bench.json", help="results JSON")
+    p.add_argument("--output", type=Path("out_file", writes="bench record"), default="out/bench.json", help="results JSON")
     return p
 
 
@@ -301,7 +301,7 @@ def main(argv=None):
     print(table(rows, scales, variants))
     if any("fused" in v or "block" in v for v in variants) and not rk.available(args.device):
         print(f"(the fused rows ran the reference routing: the fused kernels need CUDA, the device is {args.device})")
-    write_json(args.output, header=head, args=vars(args), rows=rows)
+    write_json(args.output, "bench.py", header=head, args=vars(args), rows=rows)
     return rows
 
 
@@ -317,7 +317,7 @@ def generate_parser():
     p.add_argument("--new", type=Count(1, 2**16), default=512, help="generated tokens")
     p.add_argument("--batch", type=Counts(1, 4096), default="1,16", help="comma-separated batch sizes")
     p.add_argument("--residual", type=Choice("baseline", "hyper", "attnres", "mhar"), default="mhar")
-    p.add_argument("--output", type=Path("out_file"), default="out/generate_bench.json", help="results JSON")
+    p.add_argument("--output", type=Path("out_file", writes="bench record"), default="out/generate_bench.json", help="results JSON")
     return p
 
 
@@ -346,7 +346,7 @@ def generate_main(argv):
                   f"({s:.2f} s for {args.new} tokens)", flush=True)
         print(f"  batch {B}: " + ", ".join(f"{r['way']} {r['tok_s'] / rows[-1]['tok_s']:.1f}x" for r in rows[-len(ways):-1])
               + " the tokens/s of no cache", flush=True)
-    write_json(args.output, device=torch.cuda.get_device_name() if cuda else "cpu", rows=rows)
+    write_json(args.output, "bench.py", device=torch.cuda.get_device_name() if cuda else "cpu", rows=rows)
     return rows
 
 
@@ -371,7 +371,7 @@ def ddp_parser():
     add_step_options(p)
     p.add_argument("--device", type=Choice("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda: one GPU per process (NCCL); cpu: gloo")
-    p.add_argument("--output", type=Path("out_file"), default="out/bench_ddp.json", help="results JSON (rank 0)")
+    p.add_argument("--output", type=Path("out_file", writes="bench record"), default="out/bench_ddp.json", help="results JSON (rank 0)")
     return p
 
 
@@ -421,7 +421,7 @@ def ddp_main(argv):
                        if "allreduce_ms" in row else ""), flush=True)
     say(ddp_table(rows, world))
     if master:
-        write_json(args.output, header=head, args=vars(args), rows=rows)
+        write_json(args.output, "bench.py", header=head, args=vars(args), rows=rows)
     dist.destroy_process_group()
     return rows
 

@@ -20,7 +20,9 @@ import json
 import math
 import mmap
 import os
+import pickle
 import random
+import re
 import shutil
 import signal
 import socket
@@ -84,6 +86,31 @@ def verify_checkpoint(path):
     return os.path.getsize(path)
 
 
+def load_plain(path):
+    """torch.load that runs no code: weights_only=True, so the pickle may build tensors and plain data (dicts, lists,
+    numbers, strings) and nothing else; a file naming any other function or class (a stranger's ckpt.pt whose pickle
+    would call one) is refused before anything in it runs. Memory-mapped: tensors are read when used. Checkpoints of
+    this repository written before the numpy RNG state was stored as plain data hold it as a numpy array: numpy's array
+    constructor and dtypes are allowed too (they build arrays, nothing else)."""
+    import numpy as np
+    core = getattr(np, "_core", None) or np.core
+    rebuild = core.multiarray._reconstruct
+    arrays = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), (rebuild, "numpy.core.multiarray._reconstruct"),
+              (rebuild, "numpy._core.multiarray._reconstruct")]
+    with torch.serialization.safe_globals(arrays):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def fingerprint(path):
+    """What names a checkpoint's exact bytes without reading them: the SHA-256 of its zip directory (each record's
+    name, size and CRC-32; verify_checkpoint checks the records against these). Results carry it, so that a model card
+    quotes only the results of the weights it ships."""
+    import hashlib
+    with zipfile.ZipFile(path) as zf:
+        entries = sorted(f"{i.filename}:{i.file_size}:{i.CRC:08x}" for i in zf.infolist())
+    return "sha256:" + hashlib.sha256("\n".join(entries).encode()).hexdigest()
+
+
 def read_checkpoint(path, verify=True):
     """torch.load of a checkpoint (memory-mapped: tensors are read when used), first checked by content
     (verify_checkpoint; verify=False: a look at its keys only), or a ValueError naming the file, what is wrong with it
@@ -94,7 +121,7 @@ def read_checkpoint(path, verify=True):
     try:
         if verify and zipfile.is_zipfile(path):
             verify_checkpoint(path)
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt = load_plain(path)
         if not (isinstance(ckpt, dict) and "model" in ckpt and "model_config" in ckpt):
             raise ValueError(f"checkpoint {path} is not a checkpoint of this repository (a torch file without its "
                              "model weights and config)")
@@ -103,6 +130,11 @@ def read_checkpoint(path, verify=True):
         if str(e).startswith(f"checkpoint {path} is damaged"):
             raise ValueError(f"{e}{_before_it(path)}") from None
         raise
+    except pickle.UnpicklingError as e:   # weights_only's refusal: the pickle names a global outside plain data
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        raise ValueError(f"checkpoint {path} asks to run {named[1] if named else 'code'} when loaded, which this "
+                         "repository never does (its checkpoints hold tensors and plain data only): it was not written "
+                         "here or was altered; nothing in it was run") from None
     except Exception as e:
         size = os.path.getsize(path) if os.path.isfile(path) else None
         if size == 0:
@@ -127,7 +159,10 @@ def save_checkpoint(path, model, optimizer, ema, step, extra, cfg, rt):
     rank takes part (FSDP gathers); a failed write raises CheckpointWriteError. cfg, rt: train.py's config, runtime."""
     import numpy as np   # only for its RNG state
     t0 = time.time()
-    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+    name, keys, pos, has_gauss, gauss = np.random.get_state()   # as plain data (load_plain builds no numpy array)
+    rng = {"torch": torch.get_rng_state(), "numpy": {"name": name, "keys": keys.tolist(), "pos": pos,
+                                                     "has_gauss": has_gauss, "cached_gaussian": gauss},
+           "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state(rt.device) if rt.device_type == "cuda" else None}
     rngs = [None] * rt.world
     if rt.ddp:
@@ -266,7 +301,9 @@ def restore(ckpt, model, optimizer, ema, cfg, rt):
     import numpy as np   # only for its RNG state
     rng = ckpt["rng"][rt.rank] if rt.rank < len(ckpt["rng"]) else ckpt["rng"][0]
     torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
+    state = rng["numpy"]   # plain data; a tuple holding an array in checkpoints written before
+    np.random.set_state((state["name"], np.array(state["keys"], dtype=np.uint32), state["pos"], state["has_gauss"],
+                         state["cached_gaussian"]) if isinstance(state, dict) else state)
     random.setstate(rng["python"])
     if rt.device_type == "cuda" and rng.get("cuda") is not None:
         torch.cuda.set_rng_state(rng["cuda"])
@@ -481,7 +518,8 @@ def load_model(path_or_out_dir, device="cpu", ckpt=None, ema=False, say=None):
             "these are the raw weights; --ema takes the EMA")
     model = GPT.from_state(GPTConfig.from_dict(ckpt["model_config"]), state).float()
     model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
-    model.checkpoint_info.update(dir=os.path.dirname(os.path.abspath(path)), weights="ema" if ema else "raw")
+    model.checkpoint_info.update(dir=os.path.dirname(os.path.abspath(path)), weights="ema" if ema else "raw",
+                                 file=os.path.basename(path), fingerprint=fingerprint(path))
     return model.to(device)
 
 
@@ -497,20 +535,32 @@ def list_runs(folder):
         run = os.path.join(folder, name)
         if not os.path.isdir(run) or not any(os.path.exists(os.path.join(run, f)) for f in ("log.jsonl", "ckpt.pt")):
             continue
-        records = read_log(os.path.join(run, "log.jsonl"), say=lambda line: None) \
-            if os.path.exists(os.path.join(run, "log.jsonl")) else []
+        damaged = None
+        try:
+            records = read_log(os.path.join(run, "log.jsonl"), say=lambda line: None) \
+                if os.path.exists(os.path.join(run, "log.jsonl")) else []
+        except (OSError, ValueError) as e:   # a line mid-file that is not JSON: this run's row says so, the rest list
+            records, damaged = [], str(e).split(": not JSON")[0].rsplit(", ", 1)[-1]
         loss = next((r["loss"] for r in reversed(records) if "loss" in r), None)
         val = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
         step, mode, state = None, "?", "no checkpoint"
         if os.path.exists(os.path.join(run, "ckpt.pt")):
             try:   # the small dicts only: the tensors stay mapped, unread
-                ckpt = torch.load(os.path.join(run, "ckpt.pt"), map_location="cpu", mmap=True, weights_only=False)
+                ckpt = load_plain(os.path.join(run, "ckpt.pt"))
                 step, mode = ckpt.get("step"), ckpt["model_config"].get("residual", "?")
-                target = (ckpt.get("train_config") or {}).get("max_steps")
+                train_cfg = ckpt.get("train_config") or {}
+                target, home = train_cfg.get("max_steps"), train_cfg.get("out_dir")
                 state = "converted (convert.py)" if target is None else "finished" if step >= target else \
                     f"stopped ({step}/{target}: --init_from=resume continues it)"
+                if target is not None and home and os.path.basename(os.path.normpath(home)) != os.path.basename(
+                        os.path.abspath(run)):   # a checkpoint copied here from another run's folder
+                    state = f"{state}; its checkpoint was written in {home} (copied or renamed here)"
+            except pickle.UnpicklingError:
+                state = "refused: its checkpoint asks to run code when loaded"
             except Exception:
                 state = "damaged checkpoint (resume takes ckpt.prev.pt)"
+        if damaged:
+            state += f"; log.jsonl damaged at {damaged}"
         if lock_holder(os.path.join(run, "train.lock")) is not None:
             state = "running"
         rows.append((name or ".", step, mode, loss, val, state))

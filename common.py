@@ -84,6 +84,146 @@ def pid_alive(pid):
     return True
 
 
+# ---- what a path holds: the artifacts the scripts write, recognised by content --------------------------------------
+
+# Every path a script writes is declared with the kind it writes (options.Path(..., writes=KIND)); an existing path is
+# written only when it holds that kind already (or is an empty folder). Everything else, a checkpoint, a log, a data
+# folder, another script's output or a user's file, is refused before any work: nothing a user made is replaced.
+ARTIFACTS = {
+    "checkpoint": "a checkpoint (a torch.save archive)",
+    "log": "a run's log (JSON lines of steps and evals)",
+    "run": "a train.py run folder (its checkpoints and log)",
+    "run file": "a file of a train.py run folder",
+    "converted": "a convert.py folder (a converted model's checkpoint)",
+    "data": "a prepare_data.py data folder",
+    "data file": "a file of a prepare_data.py data folder",
+    "export": "an export.py folder",
+    "export file": "a file of an export.py folder",
+    "eval results": "eval.py results (JSON)",
+    "probe": "an eval.py --probe folder",
+    "plot": "an eval.py --plot image",
+    "bench record": "a bench.py record (JSON)",
+    "routing bench record": "a bench_routing.py record (JSON)",
+    "file": "a file of none of these kinds (someone's own)",
+    "folder": "a folder of other things (someone's own files or folders)",
+}
+WRITTEN_BY = {"eval.py": "eval results", "eval.py --probe": "probe", "bench.py": "bench record",
+              "bench_routing.py": "routing bench record"}   # a JSON record's "written_by" -> its kind
+PLOT_MARK = "mhar eval.py --plot"   # the PNG text chunk (Software) that marks eval.py's plots
+
+
+def artifact(path):
+    """The kind of what is at path (a key of ARTIFACTS), by its content and, for a file no content test claims, by the
+    folder it is in; "empty" for an empty folder, None where nothing is. Reads a few KB at most."""
+    if not os.path.lexists(path):
+        return None
+    if os.path.isdir(path):
+        return _folder_kind(path)
+    kind = _file_kind(path)
+    if kind != "file":
+        return kind
+    parent = _folder_kind(os.path.dirname(os.path.abspath(path)))
+    return {"run": "run file", "converted": "run file", "data": "data file", "export": "export file",
+            "probe": "probe"}.get(parent, "file")
+
+
+def _json(path, limit=1 << 20):
+    try:
+        if os.path.getsize(path) > limit:
+            return None
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _file_kind(path):
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return "file"
+    if head.startswith(b"PK"):   # a zip: torch.save's archive holds a pickle record named .../data.pkl
+        import zipfile
+        try:
+            with zipfile.ZipFile(path) as z:
+                if any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist()):
+                    return "checkpoint"
+        except (OSError, zipfile.BadZipFile):
+            pass
+        return "file"
+    if head.startswith(b"\x89PNG") and PLOT_MARK.encode() in head:
+        return "plot"
+    if head.lstrip().startswith(b"{"):
+        obj = _json(path)
+        if isinstance(obj, dict):
+            if obj.get("written_by") in WRITTEN_BY:
+                return WRITTEN_BY[obj["written_by"]]
+            if obj.get("weights") in ("raw", "ema") and "tokenizer" in obj:   # eval.py's results before written_by
+                return "eval results"
+            if isinstance(obj.get("rows"), list):   # bench records before written_by
+                return "routing bench record" if "copy_gbps" in obj else "bench record"
+        first = head.split(b"\n", 1)[0]
+        try:
+            if isinstance(json.loads(first), dict) and "step" in json.loads(first):
+                return "log"
+        except ValueError:
+            pass
+    return "file"
+
+
+def _folder_kind(path):
+    try:
+        names = set(os.listdir(path))
+    except OSError:
+        return "folder"
+    if not names:
+        return "empty"
+    config = _json(os.path.join(path, "config.json")) if "config.json" in names else None
+    if isinstance(config, dict) and "exported_from" in config:
+        return "export"
+    meta = _json(os.path.join(path, "meta.json"), 1 << 24) if "meta.json" in names else None
+    if (isinstance(meta, dict) and {"tokenizer_id", "train_tokens"} <= meta.keys()) or names & {"prepare.lock",
+                                                                                                  ".incomplete"}:
+        return "data"   # (or one being prepared)
+    probe = _json(os.path.join(path, "probe.json")) if "probe.json" in names else None
+    if isinstance(probe, dict) and (probe.get("written_by") == "eval.py --probe" or "routing_maps.png" in names):
+        return "probe"
+    if "ckpt.pt" in names and _converted(os.path.join(path, "ckpt.pt")):
+        return "converted"
+    if names & {"ckpt.pt", "ckpt.prev.pt", "log.jsonl", "train.lock"} or any(n.startswith("ckpt-step") for n in names):
+        return "run"
+    return "folder"
+
+
+def _converted(path):
+    """Is the checkpoint at path convert.py's? Its pickle record (small: the tensors are records of their own) names
+    converted_from, a key only convert.py writes."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as z:
+            name = next(n for n in z.namelist() if n.endswith("data.pkl"))
+            return b"converted_from" in z.read(name)
+    except (OSError, StopIteration, zipfile.BadZipFile):
+        return False
+
+
+def describe(kind):
+    return ARTIFACTS.get(kind, "an empty folder" if kind == "empty" else str(kind))
+
+
+def check_target(path, writes, folder):
+    """The write guard: path may be written by a script that writes `writes` (a kind of ARTIFACTS, or a tuple of them)
+    when nothing is there, when it holds that kind, or (a folder) when it is empty; a ValueError naming what is there
+    otherwise. -> the kind found (None: nothing)."""
+    kinds = (writes,) if isinstance(writes, str) else tuple(writes)
+    kind = artifact(path)
+    if kind is None or kind in kinds or (folder and kind == "empty"):
+        return kind
+    raise ValueError(f"is {describe(kind)}: it must be new{', an empty folder' if folder else ''} or "
+                     f"{' or '.join(map(describe, kinds))}, so that nothing else is replaced; choose another path")
+
+
 # ---- one writer per folder ------------------------------------------------------------------------------------------
 
 class LockHeld(RuntimeError):

@@ -31,7 +31,7 @@ def option(default, kind):
 class TrainConfig:
     # data and output
     data_dir: str = option("data/fineweb_edu", DATA)         # prepare_data.py's train.bin, val.bin, meta.json
-    out_dir: str = option("out", Path("out_dir", absolute=False))   # ckpt.pt (latest checkpoint) and log.jsonl
+    out_dir: str = option("out", Path("out_dir", absolute=False, writes=("run", "converted")))   # ckpt.pt, log.jsonl
     init_from: str = option("scratch", START)                # scratch | resume (out_dir/ckpt.pt) | convert.py's out_dir
     # batch (the sequence length is the model's block_size)
     batch_tokens: int = option(131072, TOKENS)               # global batch per optimizer step, in tokens (64 x 2048)
@@ -105,12 +105,17 @@ RESUMABLE = {"data_dir", "out_dir", "init_from", "max_steps", "eval_interval", "
 
 def config_help():
     """Every option, one line each: its rule, default and comment, the model's (GPTConfig) first, then TrainConfig's."""
-    def comments(cls):   # each field's comment: on its line, or the comment line right above it
-        notes, above = {}, None
+    def comments(cls):   # each field's comment: on its line (and the deeper-indented comment lines under it), or
+        notes, above, last = {}, None, None   # the comment line right above it
         for line in inspect.getsource(cls).splitlines():
             field_ = re.match(r"^    (\w+): .*?=.*?(?:#\s*(.*))?$", line)
+            if last and line.startswith(" " * 8) and line.strip().startswith("#"):   # its comment, continued
+                notes[last] += " " + line.strip()[1:].strip()
+                continue
+            last = None
             if field_ and (field_.group(2) or above):
                 notes[field_.group(1)] = field_.group(2) or above
+                last = field_.group(1) if field_.group(2) else None
             above = line.strip()[1:].strip() if line.strip().startswith("#") else None
         return notes
     lines = ["options (python train.py [config.py ...] [--key=value ...]):"]

@@ -12,6 +12,7 @@ Reads config.json and model.safetensors or a sharded model.safetensors.index.jso
 """
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -209,7 +210,8 @@ def parser():
     p = Parser(prog="convert.py", description=__doc__)
     p.add_argument("--hf_dir", type=Path("dir", "a Hugging Face checkpoint: config.json and safetensors"), required=True,
                    help="folder with config.json and the safetensors weights")
-    p.add_argument("--out_dir", type=Path("out_dir"), required=True, help="where ckpt.pt (and tokenizer.json) are written")
+    p.add_argument("--out_dir", type=Path("out_dir", writes="converted"), required=True,
+                   help="where ckpt.pt (and tokenizer.json) are written")
     p.add_argument("--route_heads", type=Count(1, 65536), default=None, help="routing heads H (default 8)")
     p.add_argument("--num_blocks", type=Count(1, 1024), default=8, help="blocks of layers whose deltas are sources "
                    "(default 8)")
@@ -304,8 +306,8 @@ def main(argv=None):
         if os.path.exists(out + ".tmp"):
             os.remove(out + ".tmp")
     print(f"wrote {out} ({args.dtype}) in {time.time() - t0:.0f}s")
-    print(f"next: python train.py --init_from={args.out_dir} --out_dir=<a new folder> ...  (or sample.py / eval.py "
-          f"--out_dir={args.out_dir})")
+    print(f"next: python train.py --init_from={shlex.quote(args.out_dir)} --out_dir=<a new folder> ...  (or sample.py / "
+          f"eval.py --out_dir={shlex.quote(args.out_dir)})")
 
 
 if __name__ == "__main__":

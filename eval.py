@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import load_model as checkpoint_model, read_log
-from common import keeps_signals, run_script, write_atomic
+from common import PLOT_MARK, keeps_signals, run_script, write_atomic
 from options import Count, Device, Parser, Path, Text
 from prepare_data import TokenData, check_files
 from tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer
@@ -500,8 +500,8 @@ def run_probe(args, model, enc):
     res = probe(model, idx.to(args.device), slices=args.slices)
     os.makedirs(args.probe_dir, exist_ok=True)
     plot_probe(res["maps"], args.probe_dir, model.cfg.residual, model.cfg.route_blocks)
-    summary = {"tokens": idx.numel(), "collinearity": res["collinearity"], "table6": res.get("table6"),
-               "maps": [m.tolist() for m in res["maps"]]}
+    summary = {"written_by": "eval.py --probe", "tokens": idx.numel(), "collinearity": res["collinearity"],
+               "table6": res.get("table6"), "maps": [m.tolist() for m in res["maps"]]}
     with open(os.path.join(args.probe_dir, "probe.json"), "w") as f:
         json.dump(summary, f)
     print(f"probe over {idx.numel():,} tokens -> {args.probe_dir}/routing_maps.png, head_deviation.png, probe.json")
@@ -541,7 +541,7 @@ def plot_logs(paths, output, smooth=0.9):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(output, dpi=120)
+    fig.savefig(output, dpi=120, metadata={"Software": PLOT_MARK})   # what the write guard knows it by
     plt.close(fig)
     print(f"wrote {output}")
 
@@ -567,7 +567,7 @@ def parser():
                    help="longest scored sequence (default: the training length)")
     p.add_argument("--data_root", type=Path("dir", "laid out like ../shared/data/eval"), default=None,
                    help="local copies laid out like ../shared/data/eval (default: the Hub)")
-    p.add_argument("--output", type=Path("out_file"), default=None,
+    p.add_argument("--output", type=Path("out_file", writes=("eval results", "plot")), default=None,
                    help="results JSON (default: out_dir/eval.json); with --plot: the PNG")
     p.add_argument("--device", type=Device(), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu | cuda | cuda:N")
@@ -579,7 +579,7 @@ def parser():
     p.add_argument("--probe", action="store_true", help="routing maps, Figure 4 and Table 6 instead of the tasks")
     p.add_argument("--data_dir", type=Path("dir", "a prepare_data.py folder"), default=None,
                    help="--probe: prepare_data.py folder whose val.bin is probed (default: WikiText-2 validation text)")
-    p.add_argument("--probe_dir", type=Path("out_dir"), default=None,
+    p.add_argument("--probe_dir", type=Path("out_dir", writes="probe"), default=None,
                    help="--probe: where the PNGs and probe.json go (default out_dir/probe)")
     p.add_argument("--slices", type=Count(1, 4096), default=4, help="--probe: query slices of the Table 6 probe")
     p.add_argument("--plot", nargs="+", type=Path("file", "a train.py log.jsonl"), metavar="LOG", default=None,
@@ -596,7 +596,8 @@ def main(argv=None):
               args.probe else "without --probe") + "; ignored", file=sys.stderr)
     try:
         if args.plot:
-            plot_logs(args.plot, args.output or "curves.png")
+            output = Path("out_file", writes="plot").check(args.output or "curves.png")   # (not eval results)
+            plot_logs(args.plot, output)
             return None
         if args.out_dir is None:   # (the default, read only where a checkpoint is: not with --plot)
             try:
@@ -622,12 +623,12 @@ def main(argv=None):
         kept = re.fullmatch(r"ckpt-step(\d+)\.pt", os.path.basename(args.out_dir))   # a --keep_every checkpoint:
         tag = f"-step{kept.group(1)}" if kept else ""                                 # its results beside the latest's
         if args.probe:
-            args.probe_dir = Path("out_dir").check(args.probe_dir or os.path.join(base, "probe" + tag))
+            args.probe_dir = Path("out_dir", writes="probe").check(args.probe_dir or os.path.join(base, "probe" + tag))
             return run_probe(args, model, enc)
         name = "eval_harness" if args.harness else "eval"
         output = args.output or os.path.join(base, f"{name}{tag}" + (f".limit{args.limit}" if args.limit else "") + ".json")
         try:   # where the results go, checked before the tasks run
-            Path("out_file").check(output)
+            Path("out_file", writes="eval results").check(output)
         except ValueError as e:
             raise ValueError(f"the results file {output} {e}: pass --output=") from None
         if args.harness:
@@ -642,11 +643,29 @@ def main(argv=None):
                   flush=True)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         sys.exit(f"eval.py: error: {e}")
-    results["tokenizer"], results["weights"] = model.checkpoint_info["tokenizer_used"], model.checkpoint_info["weights"]
+    info = model.checkpoint_info   # what was scored: the exact weights (export.py's card quotes only results of its own)
+    results.update(written_by="eval.py", tokenizer=info["tokenizer_used"], weights=info["weights"],
+                   checkpoint={"file": info["file"], "step": info["step"], "fingerprint": info["fingerprint"]})
+    earlier = scored(output)
+    if earlier:
+        print(f"eval.py: replacing {output} (its results: {earlier})")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     write_atomic(output, json.dumps(results, indent=1))
     print(f"wrote {output}")
     return results
+
+
+def scored(path):
+    """What an earlier results file at path holds, in a phrase (its tasks and the weights they scored); "" where none."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    tasks = [k for k, v in old.items() if isinstance(v, dict) and k != "checkpoint"] if isinstance(old, dict) else []
+    ckpt = old.get("checkpoint") or {} if isinstance(old, dict) else {}
+    return f"{', '.join(tasks) or 'no tasks'}" + (f" of {ckpt.get('file')} at step {ckpt.get('step')}, "
+                                                  f"{old.get('weights')} weights" if ckpt else "")
 
 
 def ignored_options(args, parser):

@@ -34,7 +34,7 @@ import torch
 
 from convert import NAMES
 from checkpoint import load_model
-from common import handle_signals, keeps_signals, run_script
+from common import LockHeld, handle_signals, keeps_signals, pid_alive, release_lock, run_script, take_lock
 from options import Choice, Device, Flag, Parser, Path, Text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,15 +71,19 @@ def tokenizer_files(ckpt, ckpt_dir, out, length):
         src = name if os.path.isabs(name) else os.path.join(ckpt_dir, name)
         if not os.path.isfile(src):
             raise ValueError(f"the checkpoint's tokenizer {src} is missing: put it back beside ckpt.pt")
+        from tokenizer import HFTokenizer, tokenizer_id
+        if str(ckpt.get("tokenizer_id", "")).startswith("sha1:") and tokenizer_id(src) != ckpt["tokenizer_id"]:
+            raise ValueError(f"the checkpoint's tokenizer {src} is not the file it was trained with (its sha1 is not "
+                             "the one the checkpoint records): damaged or replaced; put the original back")
+        HFTokenizer(src)   # parsed before it is copied (a file cut short: one line naming it)
         shutil.copyfile(src, os.path.join(out, "tokenizer.json"))
     elif name == "gpt2":
         gpt2_tokenizer().save(os.path.join(out, "tokenizer.json"))
     else:
         raise ValueError(f"tokenizer {name!r}: export writes GPT-2's or a tokenizer.json; a tiktoken {name} has no "
                          "Hugging Face file here")
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     from tokenizer import HFTokenizer
+    tok = HFTokenizer(os.path.join(out, "tokenizer.json")).tok
     eos = next((t for t in HFTokenizer.EOT_NAMES if tok.token_to_id(t) is not None), None)
     if eos is None:
         raise ValueError(f"the tokenizer has none of the end-of-text tokens {HFTokenizer.EOT_NAMES}")
@@ -228,6 +232,15 @@ with torch.no_grad():
 """
 
 
+def ends_with_parent():
+    """Linux: the check's process is killed when export.py ends, however it ends (a SIGKILL too), not left running."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def check(folder, model, remote, device, n_tokens=32):
     """Largest |logit difference| between the exported folder, loaded by transformers in a fresh `python -I` process
     in another working directory (where none of this repository can be imported), and this repo's model, fp32, on one
@@ -239,7 +252,8 @@ def check(folder, model, remote, device, n_tokens=32):
     with tempfile.TemporaryDirectory() as work:
         torch.save(idx, os.path.join(work, "idx.pt"))
         r = subprocess.run([sys.executable, "-I", "-c", LOAD_ELSEWHERE, os.path.abspath(folder), work, device,
-                            str(int(remote))], cwd=work, capture_output=True, text=True)
+                            str(int(remote))], cwd=work, capture_output=True, text=True,
+                           preexec_fn=ends_with_parent if sys.platform == "linux" else None)
         if r.returncode:
             last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise ValueError(f"the exported folder does not load in a process outside this repository ({last}); "
@@ -255,7 +269,7 @@ def parser():
     p = Parser(prog="export.py", description=__doc__)
     p.add_argument("--out_dir", type=Path("any", "a train.py / convert.py out_dir or a ckpt.pt"), required=True,
                    help="a train.py / convert.py out_dir, or a ckpt.pt")
-    p.add_argument("--hf_dir", type=Path("out_dir"), required=True,
+    p.add_argument("--hf_dir", type=Path("out_dir", writes="export"), required=True,
                    help="the folder to write (refused if it exists, unless --force and export.py wrote it)")
     p.add_argument("--dtype", type=Choice("float32", "bfloat16"), default="float32", help="dtype of the written weights")
     p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights (train.py --ema_decay)")
@@ -276,6 +290,24 @@ def exported_here(folder):
             return "exported_from" in json.load(f)
     except (OSError, ValueError, TypeError):
         return False
+
+
+def others(hf_dir, files):
+    """The files of an earlier export at hf_dir that export.py did not write (its config.json's manifest; an export
+    from before manifests: those the new one writes), relative paths; a ValueError where the new export writes a file
+    of one of those names (the user's file would be lost)."""
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            ours = set(json.load(f)["exported_from"].get("files") or files)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        ours = set(files)
+    found = sorted(os.path.relpath(os.path.join(d, f), hf_dir) for d, _, fs in os.walk(hf_dir) for f in fs)
+    foreign = [rel for rel in found if rel not in ours]
+    clash = [rel for rel in foreign if rel in files]
+    if clash:
+        raise ValueError(f"--hf_dir={hf_dir} holds {', '.join(clash)}, which export.py did not write there and the new "
+                         "export writes: move it away first; nothing was written")
+    return foreign
 
 
 def check_target(hf_dir, ckpt_path, force):
@@ -303,16 +335,25 @@ def main(argv=None):
     def stop(signum, frame):
         raise Stopped
     handle_signals(stop, signal.SIGTERM)
+    parent, name = os.path.split(os.path.abspath(args.hf_dir))
+    lock = os.path.join(parent, f".{name}.export.lock")   # one export into a folder at a time
     try:
         path = os.path.join(args.out_dir, "ckpt.pt") if os.path.isdir(args.out_dir) else args.out_dir
+        os.makedirs(parent, exist_ok=True)
+        take_lock(lock, "export.py")
         check_target(args.hf_dir, os.path.abspath(path), args.force)
         model, ckpt = load(args.out_dir, args.ema)
         written = export(model, ckpt, args)
+    except LockHeld as e:
+        sys.exit(f"export.py: error: --hf_dir={args.hf_dir} is being written by another export.py (pid "
+                 f"{e.holder['pid']}, since {e.holder.get('since', '?')}): wait for it, or pick another folder")
     except (ValueError, OSError) as e:
         sys.exit(f"export.py: error: {e}")
     except Stopped:
         print(f"export.py: stopped by SIGTERM; nothing was written ({args.hf_dir} is as it was)", file=sys.stderr)
         sys.exit(143)
+    finally:
+        release_lock(lock)
     return written
 
 
@@ -325,13 +366,18 @@ def export(model, ckpt, args):
     ckpt_dir = model.checkpoint_info["dir"]
     parent = os.path.dirname(os.path.abspath(args.hf_dir)) or "."
     os.makedirs(parent, exist_ok=True)
-    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize + 2**26   # the weights, and room for the rest
     free = shutil.disk_usage(parent).free
-    if free < need + 2**26:   # the weights, and room for the rest
-        raise ValueError(f"{parent} has {free / 1e9:.2f} GB free; the export needs ~{need / 1e9:.2f} GB: free some space "
-                         "or pick another --hf_dir")
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    old = None
+    if free < need:
+        raise ValueError(f"{parent} has {free / 1e9:.2f} GB free; the export needs ~{need / 1e9:.2f} GB (its weights and "
+                         f"{2**26 / 1e9:.2f} GB for the rest): free some space or pick another --hf_dir")
+    for stale in os.listdir(parent):   # the temporary folders of exports that were killed (their pid is gone)
+        pid = re.fullmatch(r"\.export-(\d+)-\w+", stale)
+        if pid and not pid_alive(int(pid[1])) and os.path.isdir(os.path.join(parent, stale)):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+            print(f"export.py: removed {os.path.join(parent, stale)}, left by an export that was killed")
+    tmp = tempfile.mkdtemp(prefix=f".export-{os.getpid()}-", dir=parent)
+    old, foreign = None, []
     try:
         length = training_length(model, ckpt)
         eos, bos = tokenizer_files(ckpt, ckpt_dir, tmp, length)
@@ -346,23 +392,33 @@ def export(model, ckpt, args):
         print(f"export.py: writing {len(state)} tensors ({need / 1e9:.2f} GB, {args.dtype})", flush=True)
         write_weights(state, tmp)
         write_card(tmp, model, ckpt, config, args)
+        config["exported_from"]["files"] = sorted({"config.json"} | {os.path.relpath(os.path.join(d, f), tmp)
+                                                                    for d, _, fs in os.walk(tmp) for f in fs})
+        write_json(os.path.join(tmp, "config.json"), config)   # the manifest: what --force may replace, later
         if args.check:
             print("export.py: checking the folder in a fresh python -I elsewhere (transformers alone)", flush=True)
         worst = check(tmp, model, remote, args.device) if args.check else None
         if worst is not None and not worst <= (1e-4 if args.dtype == "float32" else float("inf")):   # (NaN fails)
             raise ValueError(f"the exported model's logits differ from the checkpoint's by {worst:.3g}; nothing written")
         os.chmod(tmp, 0o755)   # (mkdtemp makes it 0700: a folder to share reads as save_pretrained's do)
+        foreign = others(args.hf_dir, config["exported_from"]["files"]) if os.path.exists(args.hf_dir) else []
         if os.path.exists(args.hf_dir):   # an earlier export (check_target): set aside until the new one is in place
-            old = tempfile.mkdtemp(prefix=".replaced-", dir=parent)
+            old = tempfile.mkdtemp(prefix=f".replaced-{os.getpid()}-", dir=parent)
             os.replace(args.hf_dir, os.path.join(old, "export"))
         os.replace(tmp, args.hf_dir)
+        for rel in foreign:   # files export.py did not write there stay, in the new export
+            os.makedirs(os.path.dirname(os.path.join(args.hf_dir, rel)), exist_ok=True)
+            os.replace(os.path.join(old, "export", rel), os.path.join(args.hf_dir, rel))
+        if foreign:
+            print(f"export.py: kept {', '.join(foreign)} in {args.hf_dir} (not written by export.py)")
+        foreign = []
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not os.path.exists(args.hf_dir):
             os.replace(os.path.join(old, "export"), args.hf_dir)
         raise
     finally:
-        if old is not None:
+        if old is not None and not foreign:   # (a failure while moving them leaves the old export where it is)
             shutil.rmtree(old, ignore_errors=True)
     kind = "Qwen3" if config["model_type"] == "qwen3" else "Llama" if config["model_type"] == "llama" else \
         f"{mode} through modeling_mhar.py (trust_remote_code=True)"
@@ -373,6 +429,38 @@ def export(model, ckpt, args):
     print(f"next: AutoModelForCausalLM.from_pretrained({args.hf_dir!r}{trust}) and AutoTokenizer.from_pretrained(the "
           f"same{trust}); its README.md is the model card")
     return args.hf_dir
+
+
+def card_results(ckpt_dir, info, ckpt):
+    """The scores a card may quote: those of exactly the weights exported. The run's eval at the checkpoint's own step
+    (its EMA loss for EMA weights), and every eval.py results file beside the checkpoint whose recorded checkpoint
+    fingerprint and weights (raw or EMA) are these; each file left out is named with what it scored instead."""
+    from checkpoint import read_log
+    evals, step, ema = {}, ckpt.get("step"), info["weights"] == "ema"
+    try:
+        at = [r for r in read_log(os.path.join(ckpt_dir, "log.jsonl")) if r.get("step") == step and "val_loss" in r]
+    except (OSError, ValueError):
+        at = []
+    loss = at[-1].get("val_loss_ema" if ema else "val_loss") if at else None
+    if loss is not None:
+        evals["validation loss (its run's held-out split)"] = f"{loss:.4f} at step {step}" + (
+            f", {at[-1]['val_bpb']:.4f} bits per byte" if at[-1].get("val_bpb") and not ema else "")
+    for name in sorted(f for f in os.listdir(ckpt_dir) if re.fullmatch(r"eval(_harness)?(-step\d+)?(\.limit\d+)?\.json", f)):
+        try:
+            with open(os.path.join(ckpt_dir, name)) as f:
+                results = json.load(f)
+            scored = results.get("checkpoint") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        if scored.get("fingerprint") != info["fingerprint"] or results.get("weights") != info["weights"]:
+            print(f"export.py: the model card leaves out {name}: it scored " + (
+                f"{scored.get('file')} at step {scored.get('step')} ({results.get('weights')} weights)" if scored else
+                "weights it does not record") + f", not these ({info['file']} at step {step}, {info['weights']})")
+            continue
+        evals[f"eval.py ({name})"] = "; ".join(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items()
+                                                                        if isinstance(v, (int, float)))
+                                               for task, r in results.items() if isinstance(r, dict) and task != "checkpoint")
+    return evals
 
 
 def write_card(out, model, ckpt, config, args):
@@ -387,24 +475,7 @@ def write_card(out, model, ckpt, config, args):
             **({"base_model": source} if re.fullmatch(r"[\w.-]+/[\w.-]+", source or "") else {}),
             **({"datasets": sorted(set(data))} if data else {})}
     yaml = "\n".join(f"{k}:" + ("".join(f"\n- {v}" for v in x) if isinstance(x, list) else f" {x}") for k, x in meta.items())
-    evals = {}
-    try:
-        from checkpoint import read_log
-        last = [r for r in read_log(os.path.join(ckpt_dir, "log.jsonl")) if "val_loss" in r and r["step"] <= (ckpt.get("step") or 0)]
-        if last:
-            evals["validation loss (its run's held-out split)"] = f"{last[-1]['val_loss']:.4f} at step {last[-1]['step']}" + (
-                f", {last[-1]['val_bpb']:.4f} bits per byte" if last[-1].get("val_bpb") else "")
-    except (OSError, ValueError):
-        pass
-    for name in sorted(f for f in os.listdir(ckpt_dir) if re.fullmatch(r"eval(_harness)?(-step\d+)?(\.limit\d+)?\.json", f)):
-        try:
-            with open(os.path.join(ckpt_dir, name)) as f:
-                results = json.load(f)
-            evals[f"eval.py ({name})"] = "; ".join(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items()
-                                                                            if isinstance(v, (int, float)))
-                                                   for task, r in results.items() if isinstance(r, dict))
-        except (OSError, ValueError):
-            continue
+    evals = card_results(ckpt_dir, info, ckpt)
     loads = "trust_remote_code=True" if remote else ""
     inputs = ", ".join(i[len("hf://"):] if i.startswith("hf://") else os.path.basename(i)   # (no local paths)
                        for i in (ckpt.get("meta") or {}).get("inputs") or [])[:300] or "?"

@@ -72,6 +72,14 @@ class GPTConfig:
             bad(f"head_dim={self.hd} must be an even positive integer for RoPE: change n_embd, n_head or head_dim")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ("llama3", "default"):
             bad(f"rope_scaling={self.rope_scaling} is not supported: only rope_type 'llama3' (Llama-3.1) or 'default'")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "llama3":
+            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            wrong = [k for k in keys if isinstance(self.rope_scaling.get(k), bool)
+                     or not isinstance(self.rope_scaling.get(k), (int, float)) or not self.rope_scaling[k] > 0]
+            if wrong or not self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"]:
+                bad(f"rope_scaling={self.rope_scaling}: rope_type llama3 needs {', '.join(keys)}, each a positive "
+                    "number, and high_freq_factor > low_freq_factor" + (f" ({', '.join(wrong)} missing or not that)"
+                                                                        if wrong else ""))
         if self.residual == "delta" and (not isinstance(self.num_blocks, int) or self.num_blocks < 1
                                          or self.n_layer % self.num_blocks):
             bad(f"num_blocks={self.num_blocks} must divide n_layer={self.n_layer} (blocks of equal length)")

@@ -11,7 +11,9 @@ anything is written. A value a library would clamp or reject is refused here, wi
   Flag()            True or False
   Seed()            a whole number both torch.manual_seed and numpy's generators take: [0, 2^64 - 1]
   Path(kind)        "file" / "dir" / "any": one that exists; "out_file" / "out_dir": one to write, not a path of the
-                    other kind, whose nearest existing folder is writable. Resolved against the working directory
+                    other kind, whose nearest existing folder is writable, and which holds nothing but the artifact
+                    kind the option declares it writes (writes=, common.ARTIFACTS: the write guard). Resolved against
+                    the working directory
   Names(*known)     a comma-separated, non-empty list of known names
   Counts(lo, hi)    a comma-separated, non-empty list of whole numbers in [lo, hi]
   Text(empty=False) text; empty only where that means something
@@ -174,9 +176,11 @@ class Path(Rule):
              "out_file": "a file to write (not a folder; in a folder that exists or can be made, writable)",
              "out_dir": "a folder to write (not a file; where a folder can be made, writable)"}
 
-    def __init__(self, kind, what="", absolute=True):
+    def __init__(self, kind, what="", absolute=True, writes=None):
         assert kind in self.KINDS, kind
+        assert (writes is not None) == kind.startswith("out_"), "an output path declares what it writes"
         self.kind, self.what, self.absolute = kind, what, absolute   # absolute: return it resolved (else as given)
+        self.writes = writes   # out_*: the kind of artifact written there (common.ARTIFACTS), the write guard's
 
     def describe(self):
         return self.KINDS[self.kind] + (f": {self.what}" if self.what else "")
@@ -200,6 +204,8 @@ class Path(Rule):
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
             raise ValueError(f"cannot be written: {parent} is {'not a folder' if not os.path.isdir(parent) else 'not writable'}"
                              f" (read-only, or another user's); it must be {self.describe()}")
+        from common import check_target   # the write guard: what is there must be what this option writes
+        check_target(path, self.writes, self.kind == "out_dir")
         return path if self.absolute else value
 
 

@@ -24,6 +24,7 @@ import json
 import multiprocessing
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -87,14 +88,23 @@ def encode_stream(docs, tokenizer, workers, batch_docs=64, eot=None):
         for batch in batched(docs, batch_docs):
             yield from _encode(batch)
         return
-    with Pool(workers, initializer=_init_worker, initargs=(tokenizer, eot, os.getpid())) as pool:
-        pending = deque()
+    pool, pending = Pool(workers, initializer=_init_worker, initargs=(tokenizer, eot, os.getpid())), deque()
+    try:
         for batch in batched(docs, batch_docs):
             pending.append(pool.apply_async(_encode, (batch,)))
             if len(pending) >= 4 * workers:
                 yield from pending.popleft().get()
         while pending:
             yield from pending.popleft().get()
+    finally:   # (a caller that stops early, at --max_tokens): the batches sent are finished before the pool closes.
+        # Pool.terminate() with tasks still in its pipe can hang: its task thread, blocked writing to the full pipe of
+        # workers being killed, holds the lock terminate() needs. A worker that died (the OOM killer) still gets it.
+        finished = all(result.wait(60) or result.ready() for result in pending)
+        if finished:
+            pool.close()
+            pool.join()
+        else:
+            pool.terminate()
 
 
 class TokenWriter:
@@ -132,10 +142,33 @@ def sampled_sha256(path, block=1 << 16, samples=64):
     return digest.hexdigest()
 
 
+def sha256_file(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def check_files(data_dir, meta, full=False):
-    """The token files against meta.json, a ValueError naming the first that differs: its size (the token count meta.json
-    gives), the sampled blocks (when meta.json has them), and with full=True the SHA-256 of every byte (prepare_data.py
-    --verify). Returns each file's size and sampled SHA-256 (what a checkpoint records of its data)."""
+    """Every file a run reads from data_dir against meta.json, a ValueError naming the first that differs: the token
+    files' sizes (the token counts meta.json gives), their sampled blocks (when meta.json has them) and with full=True
+    the SHA-256 of every byte (prepare_data.py --verify); token_bytes.bin and a kept tokenizer.json by their SHA-256
+    always (small); a tokenizer.json the folder names elsewhere (a converted model's) by the identity meta.json records
+    (its sha1). Returns each token file's size and sampled SHA-256 (what a checkpoint records of its data)."""
+    for name, want in meta.get("files", {}).items():
+        path = os.path.join(data_dir, name)
+        if name not in ("train.bin", "val.bin") and (not os.path.isfile(path) or sha256_file(path) != want["sha256"]):
+            raise ValueError(f"{path} is {'missing' if not os.path.isfile(path) else 'not the file meta.json records'} "
+                             f"(its SHA-256): damaged or replaced after prepare_data.py wrote it; prepare the folder "
+                             f"again: {remake_command(data_dir, meta)}")
+    tok = meta.get("tokenizer", "")
+    if tok.endswith(".json") and "tokenizer.json" not in meta.get("files", {}):   # (a kept one is checked above)
+        if not os.path.isfile(tok) or tokenizer_id(tok) != meta.get("tokenizer_id"):
+            raise ValueError(f"{tok}, the tokenizer {data_dir} was prepared with, is "
+                             f"{'gone' if not os.path.isfile(tok) else 'not that file any more (its sha1 differs)'}: "
+                             "a run would keep a tokenizer its tokens do not match; restore it, or prepare the data again "
+                             "with the tokenizer at hand")
     width, found = np.dtype(meta["dtype"]).itemsize, {}
     for name, count in (("train.bin", meta["train_tokens"]), ("val.bin", meta["val_tokens"])):
         path, want = os.path.join(data_dir, name), meta.get("files", {}).get(name, {})
@@ -148,16 +181,19 @@ def check_files(data_dir, meta, full=False):
                              f"prepare it again: {remake_command(data_dir, meta)}")
         found[name] = {"bytes": size, "sampled_sha256": sampled_sha256(path)}
         if full and want.get("sha256"):
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 24), b""):
-                    digest.update(chunk)
-            if digest.hexdigest() != want["sha256"]:
+            if sha256_file(path) != want["sha256"]:
                 raise ValueError(f"{path}: its SHA-256 is not meta.json's: damaged; prepare it again: "
                                  f"{remake_command(data_dir, meta)}")
         elif want.get("sampled_sha256") and found[name]["sampled_sha256"] != want["sampled_sha256"]:
             raise ValueError(f"{path} has meta.json's size but other bytes (its sampled blocks differ): changed or "
                              f"damaged after it was written; prepare it again: {remake_command(data_dir, meta)}")
+    table = meta.get("files", {}).get("token_bytes.bin", {}).get("bytes")   # 2 bytes a token of the tokenizer
+    top = int(np.memmap(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"], mode="r").max())
+    if (table is not None and table != 2 * meta["vocab_size"]) or top >= meta["vocab_size"]:
+        raise ValueError(f"{data_dir}/meta.json's vocab_size ({meta['vocab_size']:,}) is not its tokenizer's ("
+                         + (f"token_bytes.bin covers {table // 2:,} tokens" if table is not None else
+                            f"val.bin holds token id {top:,}") + "): meta.json was edited; prepare the folder again: "
+                         + remake_command(data_dir, meta))
     return found
 
 
@@ -165,15 +201,16 @@ def remake_command(data_dir, meta):
     """The prepare_data.py command that makes data_dir again from what its meta.json records."""
     inputs, val = meta.get("inputs") or [], meta.get("val_inputs") or []
     local = inputs and not inputs[0].startswith("hf://")
-    args = ([f"--input={inputs[0] if len(inputs) == 1 else os.path.commonpath(inputs)}"] if local else []) + \
-        ([f"--val_input={val[0] if len(val) == 1 else os.path.commonpath(val)}"] if val else []) + \
+    q = shlex.quote   # (a path with a space is one argument)
+    args = ([f"--input={q(inputs[0] if len(inputs) == 1 else os.path.commonpath(inputs))}"] if local else []) + \
+        ([f"--val_input={q(val[0] if len(val) == 1 else os.path.commonpath(val))}"] if val else []) + \
         ([f"--tokenizer={meta.get('tokenizer_source') or meta['tokenizer']}"] if meta.get("tokenizer", "gpt2") != "gpt2"
          else []) + ([f"--tokenizer_revision={meta['tokenizer_revision']}"] if meta.get("tokenizer_revision") else []) + \
         [f"--{k}={meta[k]:g}" for k in ("max_tokens", "max_val_tokens") if meta.get(k) is not None]
     every = re.fullmatch(r"every (\d+)th document", meta.get("val_split", ""))
     args += ([f"--val_fraction={1 / int(every.group(1)):g}"] if every and every.group(1) != "100" else []) + \
         ([f"--text_field={meta['text_field']}"] if meta.get("text_field", "text") != "text" else [])
-    return " ".join(["python prepare_data.py", *args, f"--out_dir={data_dir}", "--force"])
+    return " ".join(["python prepare_data.py", *args, f"--out_dir={q(data_dir)}", "--force"])
 
 
 class TokenData:
@@ -277,6 +314,10 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
         if tokenizer.endswith(".json"):   # and where it came from
             tokenizer = os.path.abspath(tokenizer)
         write_atomic(os.path.join(stage, "token_bytes.bin"), token_byte_table(enc).tobytes())
+        for name in ("token_bytes.bin", "tokenizer.json"):   # the small files a run reads: hashed whole, checked whole
+            if os.path.isfile(os.path.join(stage, name)):
+                files[name] = {"bytes": os.path.getsize(os.path.join(stage, name)),
+                               "sha256": sha256_file(os.path.join(stage, name))}
         meta = {"tokenizer": tokenizer, "tokenizer_id": identity, "vocab_size": enc.n_vocab,
                 **({"tokenizer_source": hub, "tokenizer_revision": tokenizer_revision, "model_vocab_size": model_vocab}
                    if hub else {}),
@@ -288,7 +329,7 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
         write_atomic(os.path.join(stage, "meta.json"), json.dumps(meta, indent=2))
     print(f"wrote {out_dir}: {train.tokens:,} train tokens ({train.docs:,} docs), "
           f"{val.tokens:,} val tokens ({val.docs:,} docs), {np.dtype(dtype).name}, {time.time() - t0:.1f}s")
-    print(f"next: python train.py config/tiny.py --data_dir={out_dir}   (config/*.py: the paper's scales)")
+    print(f"next: python train.py config/tiny.py --data_dir={shlex.quote(out_dir)}   (config/*.py: the paper's scales)")
     return meta
 
 
@@ -385,7 +426,7 @@ def parser():
                    "FineWeb-Edu from the Hub")
     p.add_argument("--val_input", type=Inputs(), help="validation documents (same formats); default: every k-th input "
                    "document")
-    p.add_argument("--out_dir", type=Path("out_dir", absolute=False),
+    p.add_argument("--out_dir", type=Path("out_dir", absolute=False, writes="data"),
                    help="output folder (default data/<input name> or data/fineweb_edu)")
     p.add_argument("--tokenizer", type=Tokenizer(hub=True), default="gpt2", help=f"tiktoken encoding "
                    f"({', '.join(TOKENIZERS)}; default gpt2), the path of a Hugging Face tokenizer.json (e.g. of a model "
@@ -437,8 +478,10 @@ def verify(out_dir):
         raise ValueError(f"{out_dir}/meta.json has no checksums (an older prepare): prepare it again to have them")
     t0 = time.time()
     check_files(out_dir, meta, full=True)
-    print(f"{out_dir}: train.bin and val.bin match meta.json ({sum(f['bytes'] for f in meta['files'].values()):,} "
-          f"bytes, SHA-256, {time.time() - t0:.1f}s)")
+    unchecked = [n for n in ("token_bytes.bin",) if n not in meta["files"] and os.path.isfile(os.path.join(out_dir, n))]
+    print(f"{out_dir}: {', '.join(meta['files'])} match meta.json ({sum(f['bytes'] for f in meta['files'].values()):,} "
+          f"bytes, SHA-256, {time.time() - t0:.1f}s)" + (f"; {', '.join(unchecked)} unchecked (an older prepare "
+                                                         "recorded no hash of it)" if unchecked else ""))
 
 
 if __name__ == "__main__":

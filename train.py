@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import sys
 from contextlib import contextmanager, nullcontext
@@ -520,8 +521,9 @@ def main(argv):
         if last:
             log.done(step)
             if rt.master and cfg.save:
-                rt.say(f"next: python sample.py --out_dir={cfg.out_dir}  |  python eval.py --out_dir={cfg.out_dir}  |  "
-                       f"python export.py --out_dir={cfg.out_dir} --hf_dir=<a new folder>")
+                out = shlex.quote(cfg.out_dir)
+                rt.say(f"next: python sample.py --out_dir={out}  |  python eval.py --out_dir={out}  |  "
+                       f"python export.py --out_dir={out} --hf_dir=<a new folder>")
             break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step) * group.get("lr_scale", 1.0)

@@ -223,3 +223,72 @@ def test_sigterm_saves_and_the_resumed_run_matches(tmp_path, data_dir):
     assert all(a[1][s]["val_loss"] == b[1][s]["val_loss"] for s in a[1])
     r = run_train(stopped, data_dir, "--max_steps=24", "--eval_interval=12", "--init_from=resume")   # nothing left
     assert r.returncode == 0 and "nothing to train" in r.stdout
+
+
+class Payload:
+    """What a stranger's checkpoint could hold: unpickled, it calls open(path, "w"), creating the file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_checkpoint_never_runs_code(tmp_path, data_dir):
+    """A ckpt.pt whose pickle would create a file (its CRCs valid: torch writes them for any object), opened by every
+    script that reads checkpoints: sample.py, eval.py, export.py, train.py's resume and --init_from, --list. Each refuses
+    it in one line naming what it would have run, and the file is never created. A checkpoint this repository writes
+    loads with torch.load(weights_only=True) as it is (its numpy RNG state is plain data)."""
+    from dataclasses import asdict
+    model = GPT(tiny_cfg(vocab_size=50304))
+    run, marker = tmp_path / "run", tmp_path / "created-by-the-pickle"
+    run.mkdir()
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.cfg), "step": 4, "tokenizer": "gpt2",
+                "train_config": {"max_steps": 8}, "optimizer": None, "payload": Payload(str(marker))}, run / "ckpt.pt")
+    checkpoint.verify_checkpoint(str(run / "ckpt.pt"))   # the CRC check passes: it cannot tell
+    py = [sys.executable]
+    launches = {"sample.py": py + [os.path.join(HERE, "sample.py"), f"--out_dir={run}", "--max_new_tokens=2",
+                                   "--device=cpu"],
+                "eval.py": py + [os.path.join(HERE, "eval.py"), f"--out_dir={run}", "--device=cpu", "--limit=1",
+                                 "--tasks=wikitext2", f"--data_root={tmp_path}"],
+                "export.py": py + [os.path.join(HERE, "export.py"), f"--out_dir={run}", f"--hf_dir={tmp_path / 'hf'}"],
+                "resume": None, "init_from": None, "--list": None}
+    results = together(*[lambda c=c: subprocess.run(c, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         for c in launches.values() if c],
+                       lambda: run_train(str(run), data_dir, "--init_from=resume", "--max_steps=8"),
+                       lambda: run_train(str(tmp_path / "new"), data_dir, f"--init_from={run}", "--max_steps=8"),
+                       lambda: subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--list={tmp_path}"],
+                                              capture_output=True, text=True, timeout=300), cores_each=1)
+    for name, r in zip(launches, results):
+        out = (r.stdout + r.stderr).strip()
+        assert not marker.exists() and "Traceback" not in out, (name, out)
+        if name == "--list":
+            assert r.returncode == 0 and "refused: its checkpoint asks to run code when loaded" in out, out
+        else:
+            assert r.returncode != 0 and "asks to run io.open when loaded" in out.splitlines()[-1], (name, out)
+    ours = tmp_path / "ours"
+    r = run_train(str(ours), data_dir, "--max_steps=2", "--eval_interval=2")
+    assert r.returncode == 0, r.stderr
+    assert torch.load(ours / "ckpt.pt", weights_only=True)["rng"][0]["numpy"]["name"] == "MT19937"
+
+
+def test_list_runs_names_what_it_cannot_read_and_copies(tmp_path):
+    """train.py --list over a folder: a run whose log.jsonl has a damaged line mid-file is listed, its row naming the
+    line (the other runs list too, no traceback); a checkpoint copied into another folder is marked with the folder it
+    was written in; a finished run is finished."""
+    def run(name, home, log):
+        (tmp_path / name).mkdir()
+        torch.save({"model": {}, "model_config": {"residual": "mhar"}, "step": 8,
+                    "train_config": {"max_steps": 8, "out_dir": home}}, tmp_path / name / "ckpt.pt")
+        (tmp_path / name / "log.jsonl").write_text(log)
+    good = '{"step": 8, "loss": 3.5}\n{"step": 8, "val_loss": 3.6}\n'
+    run("a", "out/a", '{"step": 1, "loss": 9.0}\nnot json\n' + good)
+    run("b", "out/b", good)
+    run("copy", "out/b", good)
+    rows = {name: state for name, _, _, _, _, state in checkpoint.list_runs(str(tmp_path))}
+    assert rows == {"a": "finished; log.jsonl damaged at line 2", "b": "finished",
+                    "copy": "finished; its checkpoint was written in out/b (copied or renamed here)"}, rows
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--list={tmp_path}"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "3 run(s)" in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr

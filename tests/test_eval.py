@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import eval as evaluate
 import sample
 from model import GPT
@@ -95,14 +96,26 @@ def test_eval_cli_json_and_errors(eval_ckpt, eval_root, tmp_path, capsys):
     evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--limit=2", f"--output={out}",
                    "--batch_size=4", "--block_size=16"])
     res = json.load(open(out))
-    assert set(res) == {"wikitext2", "lambada", "hellaswag", "tokenizer", "weights"} and res["tokenizer"] == "gpt2"
+    assert set(res) == {"wikitext2", "lambada", "hellaswag", "tokenizer", "weights", "written_by", "checkpoint"}
+    assert res["tokenizer"] == "gpt2" and res["checkpoint"] == {   # what was scored: export's card checks it
+        "file": "ckpt.pt", "step": res["checkpoint"]["step"],
+        "fingerprint": checkpoint.fingerprint(os.path.join(eval_ckpt["mhar"], "ckpt.pt"))}
+    capsys.readouterr()
+    evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--limit=1", "--tasks=lambada",
+                   f"--output={out}"])   # its own results, of other tasks: replaced, saying so
+    assert "eval.py: replacing" in capsys.readouterr().out and set(json.load(open(out))) >= {"lambada", "checkpoint"}
     evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--limit=1", "--tasks=lambada"])
     assert os.path.isfile(os.path.join(eval_ckpt["mhar"], "eval.limit1.json"))   # a --limit run: its own file
     assert set(res["wikitext2"]) == {"token_ppl", "word_ppl", "tokens", "words"} and res["wikitext2"]["tokens"] == 31
     assert set(res["lambada"]) == {"acc", "nll", "n"} and res["lambada"]["n"] == 2
     assert set(res["hellaswag"]) == {"acc", "acc_norm", "n"} and res["hellaswag"]["n"] == 2
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "val_loss": 8.0}\n')
     for bad, msg in ((["--tasks=wikitext2,mmlu"], "unknown task"), (["--block_size=64"], "exceeds the model's 32"),
-                     (["--data_root=/nonexistent"], "does not exist")):
+                     (["--data_root=/nonexistent"], "does not exist"),
+                     ([f"--output={os.path.join(eval_ckpt['mhar'], 'ckpt.pt')}"], "is a checkpoint"),   # never replaced
+                     ([f"--plot={log}", f"--output={out}"],
+                      "is eval.py results (JSON): it must be new or an eval.py --plot image")):
         said = refusal(lambda: evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", *bad]))
         assert msg in said, (bad, said)
 

@@ -204,7 +204,7 @@ def test_export_refusals(exported, tmp_path):
                       ([f"--out_dir={foreign}"], r"is not a checkpoint of this repository"),
                       ([f"--out_dir={tmp_path}"], r"no checkpoint there"),
                       ([f"--out_dir={ckpt_dir}", f"--hf_dir={hf_dir}"], r"exists: pick another folder, or pass --force"),
-                      ([f"--out_dir={ckpt_dir}", f"--hf_dir={ckpt_dir}", "--force"], r"holds the checkpoint"),
+                      ([f"--out_dir={ckpt_dir}", f"--hf_dir={ckpt_dir}", "--force"], r"is a train.py run folder"),
                       ([f"--out_dir={cl100k}"], r"tokenizer 'cl100k_base': export writes GPT-2's or a tokenizer.json"),
                       ([f"--out_dir={odd}"], r"residual='mystery' is not one of"),
                       ([f"--out_dir={ckpt_dir}", "--dtype=float16"], r"--dtype=float16 must be one of float32, bfloat16")):
@@ -212,11 +212,26 @@ def test_export_refusals(exported, tmp_path):
         said = refusal(lambda: export.main(argv))
         assert re.search(msg, said), (args, said)
         assert not target.exists() and not glob.glob(str(tmp_path / ".export-*"))
-    shutil.copytree(hf_dir, target)   # an earlier export: --force replaces it whole
+    shutil.copytree(hf_dir, target)   # an earlier export: --force replaces what export.py wrote there, nothing else
+    (target / "NOTES.txt").write_text("a user's notes beside the export")
+    (target / "model.safetensors").write_bytes(b"the earlier export's weights")
+    config = json.load(open(target / "config.json"))
+    config["exported_from"]["files"].append("old.txt")   # a file an earlier export wrote, which this one does not
+    (target / "config.json").write_text(json.dumps(config))
     (target / "old.txt").write_text("a file of the previous export")
     export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={target}", "--force", "--dtype=bfloat16", "--check=False"])
     assert json.load(open(target / "config.json"))["dtype"] == "bfloat16" and not (target / "old.txt").exists()
+    assert (target / "NOTES.txt").read_text() == "a user's notes beside the export"
+    assert (target / "model.safetensors").read_bytes() != b"the earlier export's weights"
     assert oct(os.stat(target).st_mode & 0o777) == "0o755" and not glob.glob(str(tmp_path / ".replaced-*"))
+    (target / "tokenizer.json").unlink()   # a file of the user's by a name the export writes: refused, nothing lost
+    config = json.load(open(target / "config.json"))
+    config["exported_from"]["files"].remove("tokenizer.json")
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "tokenizer.json").write_text("mine")
+    said = refusal(lambda: export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={target}", "--force", "--check=False"]))
+    assert "holds tokenizer.json, which export.py did not write there" in said and \
+        (target / "tokenizer.json").read_text() == "mine" and not glob.glob(str(tmp_path / ".export-*"))
 
 
 def test_export_force_never_deletes_what_it_did_not_write(exported, tmp_path):
@@ -231,7 +246,8 @@ def test_export_force_never_deletes_what_it_did_not_write(exported, tmp_path):
     mine.mkdir()
     (mine / "notes.txt").write_text("not an export")
     before = {p: os.path.getsize(p) for p in glob.glob(str(tmp_path / "**"), recursive=True) if os.path.isfile(p)}
-    for hf_dir, msg in ((out, "holds the checkpoint"), (mine, "export.py did not write it")):
+    for hf_dir, msg in ((out, "is a folder of other things"), (mine, "is a folder of other things"),
+                        (out / "run1", "is a train.py run folder")):
         said = refusal(lambda: export.main([f"--out_dir={out / 'run1'}", f"--hf_dir={hf_dir}", "--force",
                                             "--check=False"]))
         assert msg in said, said
@@ -322,3 +338,61 @@ def test_ema_weights_where_the_checkpoint_has_them(tmp_path, data_dir):
     assert run_train(str(plain), data_dir, "--max_steps=2", "--eval_interval=2").returncode == 0
     assert "holds no EMA weights (its run trained without --ema_decay): drop --ema" in refusal(
         lambda: export.main([f"--out_dir={plain}", f"--hf_dir={tmp_path / 'x'}", "--ema", "--check=False"]))
+
+
+def test_export_card_quotes_only_the_results_of_its_weights(exported, tmp_path, capsys):
+    """The model card quotes eval.py results only where they scored exactly the exported weights (the checkpoint's
+    fingerprint and raw / EMA, as eval.py records them); results of another checkpoint, of the EMA for a raw export,
+    or that record no weights are left out, each named in one line; the validation loss is the eval at the
+    checkpoint's own step."""
+    ckpt_dir, _ = exported["mhar"]
+    run = tmp_path / "run"
+    shutil.copytree(ckpt_dir, run)
+    ckpt = str(run / "ckpt.pt")
+    mine = {"file": "ckpt.pt", "step": 4, "fingerprint": checkpoint.fingerprint(ckpt)}
+    results = {"eval.json": {"written_by": "eval.py", "lambada": {"acc": 0.25}, "weights": "raw", "checkpoint": mine},
+               "eval.limit5.json": {"lambada": {"acc": 0.5}, "weights": "ema", "checkpoint": mine},
+               "eval-step2.json": {"lambada": {"acc": 0.75}, "weights": "raw",
+                                   "checkpoint": {**mine, "step": 2, "fingerprint": "sha256:other"}},
+               "eval_harness.json": {"lambada": {"acc": 0.125}, "weights": "raw", "tokenizer": "gpt2"}}
+    for name, r in results.items():
+        (run / name).write_text(json.dumps(r))
+    export.main([f"--out_dir={run}", f"--hf_dir={tmp_path / 'hf'}", "--check=False"])
+    card, said = (tmp_path / "hf" / "README.md").read_text(), capsys.readouterr().out
+    assert "eval.py (eval.json): lambada: acc 0.25" in card and "acc 0.5" not in card and "acc 0.75" not in card
+    assert "acc 0.125" not in card and "validation loss (its run's held-out split)" in card and "at step 4" in card
+    for name, why in (("eval.limit5.json", "ckpt.pt at step 4 (ema weights)"), ("eval-step2.json", "at step 2 (raw"),
+                      ("eval_harness.json", "weights it does not record")):
+        assert f"the model card leaves out {name}: it scored" in said and why in said, said
+
+
+def test_export_checks_the_tokenizer_it_ships(exported, tmp_path):
+    """A checkpoint's tokenizer.json that changed after training (cut short here) is refused in one line naming it,
+    by its identity (the sha1 the checkpoint records), before anything is written."""
+    ckpt_dir, _ = exported["delta"]
+    run = tmp_path / "delta"
+    shutil.copytree(ckpt_dir, run)
+    text = (run / "tokenizer.json").read_text()
+    (run / "tokenizer.json").write_text(text[:len(text) // 2])
+    said = refusal(lambda: export.main([f"--out_dir={run}", f"--hf_dir={tmp_path / 'hf'}", "--check=False"]))
+    assert "tokenizer.json is not the file it was trained with" in said and not (tmp_path / "hf").exists(), said
+
+
+def test_one_export_into_a_folder_at_a_time(exported, tmp_path):
+    """An export into a folder that another export.py is writing (its lock held) is refused in one line naming it; the
+    temporary folder of an export that was killed (its process gone) is removed by the next export there."""
+    import common
+    ckpt_dir, _ = exported["baseline"]
+    target, lock = tmp_path / "hf", tmp_path / ".hf.export.lock"
+    common.take_lock(str(lock), "export.py")   # held by this live process
+    try:
+        said = refusal(lambda: export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={target}", "--check=False"]))
+    finally:
+        common.release_lock(str(lock))
+    assert f"is being written by another export.py (pid {os.getpid()}" in said and not target.exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".export-{int(dead.stdout)}-abc123"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half written")
+    export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={target}", "--check=False"])
+    assert not stale.exists() and (target / "config.json").exists() and not lock.exists()

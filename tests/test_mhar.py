@@ -334,6 +334,10 @@ def test_optimizer_groups():
     (dict(n_embd=36, n_head=4), r"head_dim=9 must be an even positive integer"),
     (dict(residual="delta", n_layer=3, num_blocks=2), r"num_blocks=2 must divide n_layer=3"),
     (dict(rope_scaling={"rope_type": "yarn"}), r"only rope_type .llama3."),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),   # its other keys missing: named, no KeyError
+     r"needs factor, low_freq_factor, high_freq_factor, original_max_position_embeddings.*\(low_freq_factor, "),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": "8", "low_freq_factor": 1, "high_freq_factor": 4,
+                        "original_max_position_embeddings": 32}), r"\(factor missing or not that\)"),
     (dict(route_scale=float("inf")), r"route_scale=inf must be a finite number > 0"),
     (dict(rope_theta=0.0), r"rope_theta=0.0 must be a finite number > 0"),
     (dict(norm_eps=float("nan")), r"norm_eps=nan must be a finite number > 0"),

@@ -5,7 +5,9 @@ script's argparse options), against a matrix of values; the kinds themselves.
 
 import contextlib
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +16,7 @@ import torch
 
 import bench
 import bench_routing
+import common
 import configurator
 import convert
 import eval as evaluate
@@ -152,12 +155,14 @@ def test_kinds():
     np.random.default_rng([seed, 3])
     with pytest.raises(ValueError, match="does not exist"):
         Path("file").convert("no/such/file")
-    assert Path("out_file").convert("a/new/file.json") == os.path.abspath("a/new/file.json")
+    assert Path("out_file", writes="eval results").convert("a/new/file.json") == os.path.abspath("a/new/file.json")
     with pytest.raises(ValueError, match="is a folder"):
-        Path("out_file").convert(HERE)
+        Path("out_file", writes="eval results").convert(HERE)
     if os.geteuid() != 0:   # (root writes anywhere)
         with pytest.raises(ValueError, match="cannot be written"):
-            Path("out_dir").convert("/proc/no")
+            Path("out_dir", writes="run").convert("/proc/no")
+    with pytest.raises(AssertionError, match="declares what it writes"):   # an output path without its kind
+        Path("out_file")
     with pytest.raises(ValueError):
         Device().convert("gpu")
 
@@ -178,3 +183,81 @@ def test_a_refusal_is_one_line_from_the_command_line(argv, said, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith(said) and "Traceback" not in r.stderr, r.stderr
     assert os.listdir(tmp_path) == []
+
+
+# ---- the write guard: every path an option writes, against every kind of thing that may already be there ----------
+
+def writes_of(script, option):
+    """The artifact kinds an option writes (its Path rule's writes=), or None for an option that writes no path."""
+    rule = definition(script, option)[0]
+    for r in (rule, getattr(rule, "rule", None), *getattr(rule, "rules", ())):
+        if isinstance(r, Path) and r.writes:
+            return (r.writes,) if isinstance(r.writes, str) else r.writes
+    return None
+
+
+WRITERS = [(s, o) for s, o in OPTIONS if writes_of(s, o)]
+
+
+def victims(root):
+    """One of each kind of thing a write may meet, made in root: {name: (path, its kind by common.ARTIFACTS)}."""
+    root.mkdir()
+    def folder(name, files):
+        os.makedirs(root / name)
+        for f, data in files.items():
+            (root / name / f).write_bytes(data if isinstance(data, bytes) else data.encode())
+        return root / name
+    torch.save({"model": {"w": torch.ones(2)}, "model_config": {}, "step": 4, "train_config": {"max_steps": 8}},
+               root / "weights.pt")   # (named otherwise: a folder holding ckpt.pt or log.jsonl is a run's)
+    run = folder("run", {"log.jsonl": '{"step": 0, "loss": 9.1}\n'})
+    shutil.copyfile(root / "weights.pt", run / "ckpt.pt")
+    converted = folder("converted", {})
+    torch.save({"model": {}, "model_config": {}, "step": 0, "converted_from": {"hf_dir": "x"}}, converted / "ckpt.pt")
+    data = folder("data", {"meta.json": json.dumps({"tokenizer_id": "gpt2", "train_tokens": 10}), "train.bin": b"\0" * 20})
+    export_ = folder("export", {"config.json": json.dumps({"exported_from": {"step": 4}}), "model.safetensors": b"w"})
+    folder("notes", {"NOTES.txt": "mine\n"})
+    (root / "notes.txt").write_text("mine\n")
+    (root / "steps.jsonl").write_text('{"step": 0, "loss": 9.1}\n{"step": 10, "loss": 7.2}\n')
+    (root / "eval.json").write_text(json.dumps({"written_by": "eval.py", "weights": "raw", "tokenizer": "gpt2"}))
+    (root / "bench.json").write_text(json.dumps({"written_by": "bench.py", "rows": []}))
+    (root / "routing_bench.json").write_text(json.dumps({"written_by": "bench_routing.py", "rows": []}))
+    return {"a checkpoint": (root / "weights.pt", "checkpoint"), "a log": (root / "steps.jsonl", "log"),
+            "a run folder": (run, "run"), "a run's checkpoint": (run / "ckpt.pt", "checkpoint"),
+            "a converted folder": (converted, "converted"), "a data folder": (data, "data"),
+            "a data folder's meta.json": (data / "meta.json", "data file"), "an export folder": (export_, "export"),
+            "an export's weights": (export_ / "model.safetensors", "export file"),
+            "a user's file": (root / "notes.txt", "file"), "a folder holding a user's file": (root / "notes", "folder"),
+            "eval.py results": (root / "eval.json", "eval results"), "a bench record": (root / "bench.json", "bench record"),
+            "a routing bench record": (root / "routing_bench.json", "routing bench record")}
+
+
+def fingerprint(path):
+    """Every file under path (or path itself) with its bytes: what must not change."""
+    if os.path.isfile(path):
+        return open(path, "rb").read()
+    return {f: open(os.path.join(path, f), "rb").read() for f in tree(path) if os.path.isfile(os.path.join(path, f))}
+
+
+@pytest.mark.parametrize("script,option", WRITERS, ids=[f"{s} {o}" for s, o in WRITERS])
+def test_every_write_option_replaces_nothing_but_its_own_kind(script, option, places, monkeypatch):
+    """Each option that writes a path (found from the definitions: a Path rule with writes=, so a new one is covered by
+    declaring it), against each kind of thing already there (a checkpoint, a log, a run folder, a converted folder, a
+    data folder and its meta.json, an export folder and its weights, a user's file and a folder holding one, another
+    script's results): every kind but the option's own is refused in one line naming the option and what is there,
+    and its bytes stay as they were; the option's own kind is taken (the script then replaces it as it says)."""
+    work, paths = places
+    monkeypatch.chdir(work)
+    writes = writes_of(script, option)
+    for name, (path, kind) in victims(work / "victims").items():
+        assert common.artifact(str(path)) == kind, (name, common.artifact(str(path)))   # the recogniser's premise
+        before = fingerprint(path)
+        argv = [a for a in base_argv(script, paths) if not a.startswith(option + "=")] + [f"{option}={path}"]
+        taken, said = parse(script, argv)
+        line = said.strip()
+        if kind in writes:
+            assert taken or "must be new" not in line, (option, name, said)   # its own kind passes the guard
+        elif taken:   # (a folder where a file goes, or the other way: refused by the rule's other half, also one line)
+            raise AssertionError(f"{script} {option}={name} was taken: it would replace {common.describe(kind)}")
+        else:
+            assert "\n" not in line and option[2:] in line and ("must be new" in line or "is a f" in line), (name, said)
+        assert fingerprint(path) == before, (script, option, name, "changed")

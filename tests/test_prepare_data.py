@@ -193,3 +193,32 @@ def test_prepare_takes_its_lock_before_it_looks(tmp_path, corpus, monkeypatch):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["train_tokens"] == 3000 and prepare_data.check_files(str(out), meta, full=True)
     assert sorted(os.listdir(out)) == ["meta.json", "token_bytes.bin", "train.bin", "val.bin"]
+
+
+def test_every_file_a_run_reads_is_checked_by_content(tmp_path, corpus):
+    """meta.json hashes token_bytes.bin (val_bpb divides by it) beside the token files: one changed byte is refused by
+    --verify and by the check every train.py and eval.py start makes; an edited vocab_size is refused (token_bytes.bin
+    covers the tokenizer's); a tokenizer.json the folder was prepared with, changed or cut short afterwards, is refused
+    before a run could keep it."""
+    from support import write_tiny_tokenizer
+    out = tmp_path / "d"
+    meta = prepare_data.prepare(input=corpus, out_dir=str(out), max_tokens=2000, workers=1)
+    assert meta["files"]["token_bytes.bin"] == {"bytes": 2 * meta["vocab_size"],
+                                                "sha256": hashlib.sha256((out / "token_bytes.bin").read_bytes()).hexdigest()}
+    prepare_data.check_files(str(out), meta)
+    table = (out / "token_bytes.bin").read_bytes()
+    (out / "token_bytes.bin").write_bytes(table[:100] + bytes([table[100] ^ 1]) + table[101:])
+    for check in (lambda: prepare_data.main(["--verify", f"--out_dir={out}"]),
+                  lambda: prepare_data.check_files(str(out), meta)):
+        with pytest.raises((SystemExit, ValueError), match="token_bytes.bin is not the file meta.json records"):
+            check()
+    (out / "token_bytes.bin").write_bytes(table)
+    with pytest.raises(ValueError, match=r"vocab_size \(1,000\) is not its tokenizer's"):
+        prepare_data.check_files(str(out), {**meta, "vocab_size": 1000})
+    tok = write_tiny_tokenizer(str(tmp_path / "tokenizer.json"))
+    meta = prepare_data.prepare(input=corpus, out_dir=str(tmp_path / "t"), max_tokens=2000, workers=1, tokenizer=tok)
+    prepare_data.check_files(str(tmp_path / "t"), meta)
+    text = open(tok).read()
+    open(tok, "w").write(text[:len(text) // 2])   # cut short after the data were prepared
+    with pytest.raises(ValueError, match="the tokenizer .* was prepared with, is not that file any more"):
+        prepare_data.check_files(str(tmp_path / "t"), meta)

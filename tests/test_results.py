@@ -362,6 +362,16 @@ def test_temperature_study_driver(tmp_path, data_dir):
     txt = (logs / "100m_mhar_s1.txt").read_text()
     assert "no_such_flag" in txt and txt.count("config: ") == 2 and "--init_from=resume" in txt   # every attempt kept
     os.remove(logs / "100m_mhar_s1.log.jsonl")
+    run_dir = work / "out" / "study" / "100m_mhar_s1"
+    import common
+    kept = sorted(os.listdir(run_dir))
+    common.take_lock(str(run_dir / "train.lock"), "train.py")   # as if the run were still training (this process)
+    try:
+        r = run_sh("100m:mhar:1", SAVE="True", FRESH="1")
+    finally:
+        common.release_lock(str(run_dir / "train.lock"))
+    assert r.returncode == 1 and "100m_mhar_s1: FRESH=1 but out/study/100m_mhar_s1 is in use by a running train.py" \
+        in r.stdout and sorted(os.listdir(run_dir)) == kept, r.stdout   # a live run's folder is never removed
     r = run_sh("100m:mhar:1", SAVE="True", FRESH="1")
     assert r.returncode == 0 and "100m_mhar_s1: FRESH=1, starting from scratch" in r.stdout, r.stdout
     assert (logs / "100m_mhar_s1.txt").read_text().count("config: ") == 1

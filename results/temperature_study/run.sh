@@ -23,6 +23,7 @@
 # A copy without its own .git names its tree in each run's header by MHAR_REVISION (which wins over git when set):
 #   MHAR_REVISION=$(git rev-parse --short HEAD) where the checkout is, then MHAR_REVISION=<that> bash run.sh ... there.
 set -eo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)   # the repository (common.py: the lock a FRESH removal checks)
 BUDGET=${BUDGET:-reduced}
 GPUS=${GPUS:-1}
 case $BUDGET in
@@ -83,6 +84,15 @@ run_one() {   # SPEC: train it unless its log is in $LOGS
   if [[ ${init:-0} =~ [1-9] ]]; then name=${name}_q$init; route_args="$route_args --route_init_std=$init"; fi
   if [ -f "$LOGS/$name.log.jsonl" ]; then echo "$name: done, skipped"; return; fi
   start=--init_from=scratch
+  if [ "${FRESH:-0}" = 1 ]; then   # a run still training holds its folder (train.lock, common.lock_holder): kept
+    held=0; python -c 'import sys; sys.path.insert(0, sys.argv[1]); import common
+sys.exit(0 if common.lock_holder(sys.argv[2]) else 3)' "$ROOT" "$RUNS/$name/train.lock" || held=$?
+    if [ $held != 3 ]; then
+      echo "$name: FRESH=1 but $RUNS/$name is $([ $held = 0 ] && echo "in use by a running train.py (its train.lock" \
+           "is held)" || echo "not checked (its lock could not be read)"): not removed; stop that run first"
+      echo "$name" >> "$failed"; return
+    fi
+  fi
   if [ "${FRESH:-0}" = 1 ]; then
     rm -rf "${RUNS:?}/$name"; : > "$LOGS/$name.txt"; echo "$name: FRESH=1, starting from scratch"
   elif [ -f "$RUNS/$name/ckpt.pt" ]; then
