@@ -122,27 +122,10 @@ def write_json(path, obj):
 
 
 def write_weights(state, out):
-    """model.safetensors, or shards of at most SHARD_BYTES with model.safetensors.index.json (transformers' layout)."""
-    from safetensors.torch import save_file
-    shards, size = [{}], 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for k, shard in enumerate(shards, 1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out, fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    write_json(os.path.join(out, "model.safetensors.index.json"), {"metadata": {"total_size": total},
-                                                                   "weight_map": weight_map})
+    """model.safetensors, or shards of at most SHARD_BYTES with model.safetensors.index.json: huggingface_hub's
+    save_torch_state_dict, the writer transformers' save_pretrained uses (its layout and index, not one of our own)."""
+    from huggingface_hub import save_torch_state_dict
+    save_torch_state_dict(state, out, max_shard_size=SHARD_BYTES, metadata={"format": "pt"})
 
 
 def baseline_export(model, length, dtype):
@@ -392,6 +375,7 @@ def export(model, ckpt, args):
         print(f"export.py: writing {len(state)} tensors ({need / 1e9:.2f} GB, {args.dtype})", flush=True)
         write_weights(state, tmp)
         write_card(tmp, model, ckpt, config, args)
+        shutil.copyfile(os.path.join(HERE, "LICENSE"), os.path.join(tmp, "LICENSE"))   # the repository's (its code)
         config["exported_from"]["files"] = sorted({"config.json"} | {os.path.relpath(os.path.join(d, f), tmp)
                                                                     for d, _, fs in os.walk(tmp) for f in fs})
         write_json(os.path.join(tmp, "config.json"), config)   # the manifest: what --force may replace, later
@@ -427,24 +411,30 @@ def export(model, ckpt, args):
            "; not checked (transformers is not installed)" if args.check else "; not checked (--check=False)"))
     trust = ", trust_remote_code=True" if remote else ""
     print(f"next: AutoModelForCausalLM.from_pretrained({args.hf_dir!r}{trust}) and AutoTokenizer.from_pretrained(the "
-          f"same{trust}); its README.md is the model card")
+          f"same{', trust_remote_code=False' if remote else ''}); its README.md is the model card")
     return args.hf_dir
 
 
 def card_results(ckpt_dir, info, ckpt):
-    """The scores a card may quote: those of exactly the weights exported. The run's eval at the checkpoint's own step
-    (its EMA loss for EMA weights), and every eval.py results file beside the checkpoint whose recorded checkpoint
-    fingerprint and weights (raw or EMA) are these; each file left out is named with what it scored instead."""
+    """The scores a card may quote: those of exactly the weights exported, as (line for the card, huggingface_hub
+    EvalResults for its model-index). The run's eval at the checkpoint's own step (its EMA loss for EMA weights), and
+    every eval.py results file beside the checkpoint whose recorded checkpoint fingerprint and weights (raw or EMA) are
+    these; each file left out is named with what it scored instead."""
+    from huggingface_hub import EvalResult
     from checkpoint import read_log
-    evals, step, ema = {}, ckpt.get("step"), info["weights"] == "ema"
+    found, step, ema = [], ckpt.get("step"), info["weights"] == "ema"
+    result = lambda dataset, metric, value: EvalResult(  # noqa: E731
+        task_type="text-generation", dataset_type=dataset, dataset_name=dataset, metric_type=metric, metric_value=value)
     try:
         at = [r for r in read_log(os.path.join(ckpt_dir, "log.jsonl")) if r.get("step") == step and "val_loss" in r]
     except (OSError, ValueError):
         at = []
     loss = at[-1].get("val_loss_ema" if ema else "val_loss") if at else None
     if loss is not None:
-        evals["validation loss (its run's held-out split)"] = f"{loss:.4f} at step {step}" + (
-            f", {at[-1]['val_bpb']:.4f} bits per byte" if at[-1].get("val_bpb") and not ema else "")
+        bpb = at[-1].get("val_bpb") if not ema else None
+        found.append((f"validation loss (its run's held-out split): {loss:.4f} at step {step}"
+                      + (f", {bpb:.4f} bits per byte" if bpb else ""),
+                      [result("held-out split of its training text", "loss", round(loss, 4))]))
     for name in sorted(f for f in os.listdir(ckpt_dir) if re.fullmatch(r"eval(_harness)?(-step\d+)?(\.limit\d+)?\.json", f)):
         try:
             with open(os.path.join(ckpt_dir, name)) as f:
@@ -457,37 +447,52 @@ def card_results(ckpt_dir, info, ckpt):
                 f"{scored.get('file')} at step {scored.get('step')} ({results.get('weights')} weights)" if scored else
                 "weights it does not record") + f", not these ({info['file']} at step {step}, {info['weights']})")
             continue
-        evals[f"eval.py ({name})"] = "; ".join(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items()
-                                                                        if isinstance(v, (int, float)))
-                                               for task, r in results.items() if isinstance(r, dict) and task != "checkpoint")
-    return evals
+        tasks = {task: {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                 for task, r in results.items() if isinstance(r, dict) and task != "checkpoint"}
+        found.append((f"eval.py ({name}): " + "; ".join(f"{t}: " + ", ".join(f"{k} {v:.4g}" for k, v in m.items())
+                                                        for t, m in tasks.items()),
+                      [result(t, k, v) for t, m in tasks.items() for k, v in m.items()]))
+    return found
+
+
+def card_license(text):
+    """(license, license_name) for the card's metadata: a Hub identifier as it is (mit, apache-2.0, other); any other
+    text is license "other" with that text as license_name, made a Hub name (lowercase, hyphens)."""
+    if re.fullmatch(r"[a-z0-9][a-z0-9.-]*", text):
+        return text, None
+    return "other", re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "custom"
 
 
 def write_card(out, model, ckpt, config, args):
-    """README.md: the Hub's metadata (YAML), what the model is, how it was trained and scored (the run's last eval in
-    log.jsonl and any eval.py results beside the checkpoint), and how to load it."""
+    """README.md through huggingface_hub's ModelCardData (the Hub's metadata: quoting, license, model-index eval
+    results tied to these weights): what the model is, how it was trained and scored, how to load it."""
+    from huggingface_hub import ModelCard, ModelCardData
     cfg, info, train = model.cfg, model.checkpoint_info, ckpt.get("train_config") or {}
-    remote, ckpt_dir = cfg.residual != "baseline", info["dir"]
+    remote, ckpt_dir, title = cfg.residual != "baseline", info["dir"], os.path.basename(os.path.abspath(args.hf_dir))
     source = (ckpt.get("converted_from") or {}).get("config", {}).get("_name_or_path", "")
     data = [i[len("hf://"):].rsplit("/", 1)[0] for i in (ckpt.get("meta") or {}).get("inputs") or [] if i.startswith("hf://")]
-    meta = {"library_name": "transformers", "license": args.license, "pipeline_tag": "text-generation",
-            "tags": list(dict.fromkeys(["mhar", "attention-residuals", cfg.residual] + (["custom_code"] if remote else []))),
-            **({"base_model": source} if re.fullmatch(r"[\w.-]+/[\w.-]+", source or "") else {}),
-            **({"datasets": sorted(set(data))} if data else {})}
-    yaml = "\n".join(f"{k}:" + ("".join(f"\n- {v}" for v in x) if isinstance(x, list) else f" {x}") for k, x in meta.items())
     evals = card_results(ckpt_dir, info, ckpt)
+    license_, license_name = card_license(args.license)
+    meta = ModelCardData(
+        library_name="transformers", license=license_, license_name=license_name, pipeline_tag="text-generation",
+        tags=list(dict.fromkeys(["mhar", "attention-residuals", cfg.residual] + (["custom_code"] if remote else []))),
+        base_model=source if re.fullmatch(r"[\w.-]+/[\w.-]+", source or "") else None,
+        datasets=sorted(set(data)) or None, model_name=title,
+        eval_results=[r for _, rs in evals for r in rs] or None)
     loads = "trust_remote_code=True" if remote else ""
     inputs = ", ".join(i[len("hf://"):] if i.startswith("hf://") else os.path.basename(i)   # (no local paths)
                        for i in (ckpt.get("meta") or {}).get("inputs") or [])[:300] or "?"
-    body = [f"# {os.path.basename(os.path.abspath(args.hf_dir))}", "",
+    body = [f"# {title}", "",
             f"A {model.num_params() / 1e6:.0f}M-parameter Qwen3-style decoder with residual mode `{cfg.residual}`"
             + (f" (routing heads {cfg.heads}" + (f", over {cfg.route_blocks} blocks" if cfg.route_blocks else "") + ")"
                if cfg.residual in ("attnres", "mhar", "delta") else "")
             + ": Multi-Head Attention Residuals (arXiv 2607.27230) and the residual schemes it is compared with, as "
             "the mhar repository trains them. "
             + ("Every sublayer reads a learned softmax mix of all earlier sublayer outputs; the modeling code is the "
-               "repository's own model.py, copied into this folder (trust_remote_code=True)." if remote else
-               "The baseline (an additive residual stream): a stock Qwen3 folder, no remote code."), "",
+               "repository's own model.py, copied into this folder (trust_remote_code=True) under the MIT licence in "
+               "LICENSE." if remote else "The baseline (an additive residual stream): a stock Qwen3 folder, no remote "
+               "code."), "",
+            f"- licence of the weights: {args.license}; LICENSE: the mhar repository's (MIT), for its code",
             f"- shape: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads ({cfg.n_kv_head} key/value), "
             f"vocabulary {cfg.vocab_size}, trained at {train.get('block_size') or config.get('max_position_embeddings')} "
             "tokens",
@@ -497,14 +502,14 @@ def write_card(out, model, ckpt, config, args):
                f"{train.get('lr')}, seed {train.get('seed')}, data: {inputs}"]
               if train.get("batch_tokens") else ["- converted from a pretrained model (convert.py): delta routing at "
                                                  "alpha = 0 computes the pretrained model's logits"]),
-            *[f"- {k}: {v}" for k, v in evals.items()], "",
+            *[f"- {line}" for line, _ in evals], "",
             "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
             f"model = AutoModelForCausalLM.from_pretrained(PATH{', ' + loads if loads else ''})",
-            f"tokenizer = AutoTokenizer.from_pretrained(PATH{', ' + loads if loads else ''})",
+            f"tokenizer = AutoTokenizer.from_pretrained(PATH{', trust_remote_code=False' if remote else ''})"
+            + ("   # a stock tokenizer: no code of this folder runs" if remote else ""),
             "```",
             "Batches may be padded on either side: the attention mask is honoured." if remote else ""]
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write("---\n" + yaml + "\n---\n\n" + "\n".join(body).rstrip() + "\n")
+    ModelCard(f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(body).rstrip() + "\n").save(os.path.join(out, "README.md"))
 
 
 if __name__ == "__main__":

@@ -419,14 +419,16 @@ def _stop(signum, frame):
     os._exit(130 if signum == signal.SIGINT else 143)
 
 
-def parser():
-    """prepare_data.py's options, each with its kind and range (options.py)."""
+def parser(verify=False):
+    """prepare_data.py's options, each with its kind and range (options.py); with --verify, --out_dir is read, not
+    written (a folder that exists, not the write guard's)."""
     p = Parser(prog="prepare_data.py", description=__doc__)
     p.add_argument("--input", type=Inputs(), help="file, glob or directory of .jsonl[.gz|.xz]/.txt/.parquet; default: "
                    "FineWeb-Edu from the Hub")
     p.add_argument("--val_input", type=Inputs(), help="validation documents (same formats); default: every k-th input "
                    "document")
-    p.add_argument("--out_dir", type=Path("out_dir", absolute=False, writes="data"),
+    p.add_argument("--out_dir", type=Path("dir", absolute=False) if verify else Path("out_dir", absolute=False,
+                                                                                    writes="data"),
                    help="output folder (default data/<input name> or data/fineweb_edu)")
     p.add_argument("--tokenizer", type=Tokenizer(hub=True), default="gpt2", help=f"tiktoken encoding "
                    f"({', '.join(TOKENIZERS)}; default gpt2), the path of a Hugging Face tokenizer.json (e.g. of a model "
@@ -454,7 +456,8 @@ def parser():
 
 @keeps_signals
 def main(argv=None):
-    p = parser()
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser(verify="--verify" in argv)
     args = p.parse_args(argv)
     handle_signals(_stop, signal.SIGINT, signal.SIGTERM)
     try:

@@ -203,7 +203,8 @@ def test_harness_offline_tasks_and_lambada_agree_with_ours(eval_ckpt, eval_root,
     res = evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--harness", "--limit=3",
                          f"--output={out}", "--batch_size=4", "--block_size=16"])
     assert json.load(open(out)) == res
-    assert set(res) == {"wikitext_local", "lambada_openai_local", "hellaswag_local", "tokenizer", "weights"}
+    assert set(res) == {"wikitext_local", "lambada_openai_local", "hellaswag_local", "tokenizer", "weights", "written_by",
+                        "checkpoint"}
     assert {"word_perplexity", "byte_perplexity", "bits_per_byte"} <= set(res["wikitext_local"])
     assert {"acc", "acc_norm"} <= set(res["hellaswag_local"]) and res["hellaswag_local"]["n"] == 3
     ours = evaluate.main([f"--out_dir={eval_ckpt['mhar']}", f"--data_root={eval_root}", "--tasks=lambada", "--limit=3",

@@ -275,15 +275,17 @@ def test_export_folder_is_ready_to_share(exported):
     """Every export: a model card (README.md: YAML metadata the Hub reads, the run's last validation loss, how to load
     it, with trust_remote_code=True for the tokenizer too where the model needs it), no absolute path in its configs,
     the folder readable by others (0755, as save_pretrained makes it)."""
-    import yaml
+    from huggingface_hub import ModelCard
     for name, (ckpt_dir, hf_dir) in exported.items():
-        card = open(os.path.join(hf_dir, "README.md")).read()
-        head, body = card.split("---\n")[1], card.split("---\n", 2)[2]
-        meta = yaml.safe_load(head)
+        card = ModelCard.load(os.path.join(hf_dir, "README.md"))   # as the Hub reads it
+        meta, body = card.data.to_dict(), card.text
         assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation", meta
         assert meta["license"] == "other" and "mhar" in meta["tags"] and ("custom_code" in meta["tags"]) == (name != "baseline")
         remote = name != "baseline"
-        assert ("AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)" in body) == remote, body
+        assert ("AutoTokenizer.from_pretrained(PATH, trust_remote_code=False)" in body) == remote, body
+        assert open(os.path.join(hf_dir, "LICENSE")).read() == open(os.path.join(HERE, "LICENSE")).read()
+        if name != "delta":   # its run's validation loss, in the card's model-index too
+            assert [r.metric_type for r in card.data.eval_results] == ["loss"], card.data.eval_results
         if name != "delta":   # (a converted model has no run of its own)
             assert "validation loss" in body and "at step 4" in body, body
         for f in ("config.json", "generation_config.json", "tokenizer_config.json"):   # (tokenizer.json: a vocabulary)
@@ -340,6 +342,18 @@ def test_ema_weights_where_the_checkpoint_has_them(tmp_path, data_dir):
         lambda: export.main([f"--out_dir={plain}", f"--hf_dir={tmp_path / 'x'}", "--ema", "--check=False"]))
 
 
+def test_export_card_loads_with_any_licence_text(exported, tmp_path):
+    """--license with text that is not a Hub identifier ("custom: see LICENSE", a colon in it): the card is "other"
+    with that text as its license_name, and huggingface_hub's ModelCard.load reads it (YAML quoted by ModelCardData)."""
+    from huggingface_hub import ModelCard
+    ckpt_dir, _ = exported["baseline"]
+    export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={tmp_path / 'hf'}", "--check=False", "--license=custom: see LICENSE"])
+    data = ModelCard.load(tmp_path / "hf" / "README.md").data
+    assert (data.license, data.license_name) == ("other", "custom-see-license")
+    export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={tmp_path / 'hf2'}", "--check=False", "--license=apache-2.0"])
+    assert ModelCard.load(tmp_path / "hf2" / "README.md").data.license == "apache-2.0"
+
+
 def test_export_card_quotes_only_the_results_of_its_weights(exported, tmp_path, capsys):
     """The model card quotes eval.py results only where they scored exactly the exported weights (the checkpoint's
     fingerprint and raw / EMA, as eval.py records them); results of another checkpoint, of the EMA for a raw export,
@@ -347,7 +361,9 @@ def test_export_card_quotes_only_the_results_of_its_weights(exported, tmp_path, 
     checkpoint's own step."""
     ckpt_dir, _ = exported["mhar"]
     run = tmp_path / "run"
-    shutil.copytree(ckpt_dir, run)
+    run.mkdir()
+    for f in ("ckpt.pt", "log.jsonl"):   # (not other tests' results beside it)
+        shutil.copyfile(os.path.join(ckpt_dir, f), run / f)
     ckpt = str(run / "ckpt.pt")
     mine = {"file": "ckpt.pt", "step": 4, "fingerprint": checkpoint.fingerprint(ckpt)}
     results = {"eval.json": {"written_by": "eval.py", "lambada": {"acc": 0.25}, "weights": "raw", "checkpoint": mine},
@@ -360,6 +376,10 @@ def test_export_card_quotes_only_the_results_of_its_weights(exported, tmp_path, 
     export.main([f"--out_dir={run}", f"--hf_dir={tmp_path / 'hf'}", "--check=False"])
     card, said = (tmp_path / "hf" / "README.md").read_text(), capsys.readouterr().out
     assert "eval.py (eval.json): lambada: acc 0.25" in card and "acc 0.5" not in card and "acc 0.75" not in card
+    from huggingface_hub import ModelCard
+    index = ModelCard.load(tmp_path / "hf" / "README.md").data.eval_results   # model-index: the same, no more
+    assert sorted((r.dataset_type, r.metric_type, r.metric_value) for r in index) == [
+        ("held-out split of its training text", "loss", index[0].metric_value), ("lambada", "acc", 0.25)], index
     assert "acc 0.125" not in card and "validation loss (its run's held-out split)" in card and "at step 4" in card
     for name, why in (("eval.limit5.json", "ckpt.pt at step 4 (ema weights)"), ("eval-step2.json", "at step 2 (raw"),
                       ("eval_harness.json", "weights it does not record")):
