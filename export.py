@@ -10,8 +10,10 @@ convert.py's mapping run the other way for the baseline, this repository's own m
 - attnres, mhar, hyper, block routing, delta: config.json's auto_map names modeling_mhar.py, copied into the folder:
   a PreTrainedModel with GenerationMixin around model.py, which is copied beside it with the modules it imports (their
   imports of each other made package-relative, nothing else changed: one implementation). Load with
-  `trust_remote_code=True` (the tokenizer too); generate() uses this repository's KV cache (greedy and sampling; beam
-  search with use_cache=False). attention_mask is honoured: a batch padded on either side gives each row's own text.
+  `trust_remote_code=True` (the tokenizer, a stock one, with trust_remote_code=False); generate() uses this
+  repository's KV cache (greedy, sampling, beam search; past the training length its RoPE tables grow, as a stock
+  model's do); gradient_checkpointing_enable() recomputes the sublayers. attention_mask is honoured: a batch padded on
+  either side gives each row's own text.
 Both: model.safetensors (sharded above 5 GB), generation_config.json, and the tokenizer (GPT-2's from tiktoken's cached
 files, or the checkpoint's tokenizer.json). Written into a temporary folder, checked (the folder loaded with
 transformers, where installed, against this repository's logits), then moved into place: a failure writes nothing.

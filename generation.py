@@ -110,6 +110,28 @@ class KVCache:
         """After a forward over T new tokens: they are cached."""
         self.pos, self.layer = self.pos + T, 0
 
+    # What transformers' generate() asks of a cache, by the names of its Cache class (beam search reorders the rows,
+    # and a generation past max_len grows it). Not a subclass: this file, which training imports, needs no transformers.
+    def get_seq_length(self, layer_idx=0):
+        return self.pos
+
+    def reorder_cache(self, beam_idx):
+        """Keep rows beam_idx (beam search: each surviving beam's history) in every layer, and in the padding mask."""
+        for i in range(len(self.k)):
+            self.k[i], self.v[i] = self.k[i].index_select(0, beam_idx), self.v[i].index_select(0, beam_idx)
+        if self.valid is not None:
+            self.valid = self.valid.index_select(0, beam_idx)
+
+    def grow(self, max_len):
+        """Room for max_len positions (the model's RoPE tables must reach that far): the cached ones kept."""
+        extra = max_len - self.max_len
+        if extra > 0:
+            pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)  # noqa: E731
+            self.k, self.v = [pad(t) for t in self.k], [pad(t) for t in self.v]
+            if self.valid is not None:
+                self.valid = torch.cat([self.valid, self.valid.new_ones(self.valid.size(0), extra)], 1)
+            self.max_len = max_len
+
 
 def padded_mask(valid, pos, T):
     """The attention mask (B, 1, T, end) of T queries at positions pos .. pos + T - 1 over keys 0 .. end - 1 of which

@@ -31,6 +31,7 @@ class MHARForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MHARConfig
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
+    supports_gradient_checkpointing = True   # model.py's own: every sublayer recomputed, never the routing
     _tied_weights_keys = {"model.lm_head.weight": "model.wte.weight"}   # tied where config.tie_word_embeddings says
 
     def __init__(self, config):
@@ -52,6 +53,21 @@ class MHARForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls):   # generation keeps model.py's own KV cache
         return False
 
+    def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=None, **kwargs):
+        """gradient_checkpointing_enable(): model.py recomputes each sublayer in the backward (torch.utils.checkpoint,
+        use_reentrant=False), as train.py --activation_checkpointing does; the gradients are those without it."""
+        self.model.checkpoint_sublayers = self.gradient_checkpointing = enable
+
+    def _positions(self, n, cache):
+        """Room for n positions. Past the training length (max_position_embeddings) the RoPE tables and the cache grow,
+        as a stock model's rotary embedding does (generate() says once that the length is exceeded; nothing was
+        trained there)."""
+        if n > self.model.cfg.block_size:
+            self.model.cfg.block_size = max(n, 2 * self.model.cfg.block_size)
+            self.model.reset_buffers(self.model.wte.weight.device)
+        if cache is not None and n > cache.max_len:
+            cache.grow(self.model.cfg.block_size)
+
     def forward(self, input_ids=None, attention_mask=None, labels=None, use_cache=None, cache=None,
                 past_key_values=None, **kwargs):
         """Logits (B, T, vocab) of input_ids; with labels (input_ids' shape, -100 ignored) the next-token loss; with
@@ -63,9 +79,7 @@ class MHARForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if isinstance(cache, KVCache) else past_key_values if isinstance(past_key_values, KVCache) else None
         if cache is None and use_cache and not self.training:
             cache = KVCache(self.model, input_ids.size(0), dtype=self.model.wte.weight.dtype)
-        if cache is not None and cache.pos + input_ids.size(1) > cache.max_len:
-            raise ValueError(f"{cache.pos + input_ids.size(1)} tokens exceed max_position_embeddings "
-                             f"{cache.max_len}; generate fewer tokens")
+        self._positions((cache.pos if cache is not None else 0) + input_ids.size(1), cache)
         logits, _ = self.model(input_ids, cache=cache, attention_mask=attention_mask)
         loss = None
         if labels is not None:

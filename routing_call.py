@@ -20,6 +20,8 @@ Backward at site j, with G = dLoss/dout:
 Sources: an optional null vector, then N of an [N, M, d] buffer (M = B*T tokens). Envelope and launch settings:
 routing_config.py; measured: BENCHMARKS.md.
 """
+from dataclasses import replace
+
 import torch
 
 try:
@@ -28,7 +30,7 @@ try:
 except ImportError:  # routing_kernel.available reports it; the model falls back to the reference routing
     triton = None
 
-from routing_config import _block_m, announce, check_envelope, config_for
+from routing_config import DEFAULT, _block_m, announce, check_envelope, config_for, op_namespace
 
 
 # ---- rung 1: one stateless routing call over stacked sources (the algorithm) -----------------------------------------
@@ -307,13 +309,84 @@ class _RouteCall(torch.autograd.Function):
         return dhist, None, dnull, dq, dg, None, None, None
 
 
-@torch.compiler.disable
 def route_stack(sources, q, g, heads, eps, null=None, r=None, config=None):
     """model.route_reference fused: stacked sources (N, B, T, d) -> (B, T, d); null (d,) an extra first source (delta
-    mode), r = rms_factors(sources) when calls share it. Stateless: composes with FSDP and activation checkpointing."""
+    mode), r = rms_factors(sources) when calls share it. Stateless: composes with FSDP and activation checkpointing.
+    Inside torch.compile the call is an operator (route_call below), so a compiled delta model has no graph break."""
     N, B, T, d = sources.shape
-    check_envelope(d, heads, sources.dtype)
-    announce(config := config or config_for(d, heads), d, heads)
-    return _RouteCall.apply(sources.flatten(1, 2).contiguous(), None if r is None else r.reshape(N, B * T).contiguous(),
-                            None if null is None else null.to(sources.dtype).contiguous(), q, g, heads, eps, config
-                            ).view(B, T, d)
+    config = config or config_for(d, heads)
+    hist = sources.flatten(1, 2).contiguous()
+    r = rms_factors(hist, eps) if r is None else r.reshape(N, B * T).contiguous()
+    null = None if null is None else null.to(sources.dtype).contiguous()
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops, NAMESPACE).route_call(hist, r, null, q, g, heads, eps, call_settings(config)
+                                                        )[0].view(B, T, d)
+    _announced(config, d, heads, sources.dtype)
+    return _RouteCall.apply(hist, r, null, q, g, heads, eps, config).view(B, T, d)
+
+
+def _announced(config, d, heads, dtype):
+    check_envelope(d, heads, dtype)
+    announce(config, d, heads)
+
+
+# ---- the call inside torch.compile: one operator ----------------------------------------------------------------------
+# A compiled region cannot trace a Triton launch that takes a config object: there the call is an operator
+# (torch.library), opaque to the compiler, over tensors, numbers and the launch settings its kernels read (as ints);
+# its backward is an operator too. Eager calls take _RouteCall directly (the same kernels, without the dispatch).
+NAMESPACE = op_namespace(__name__, "routing_call", "route_call")
+CALL_FIELDS = ("call_fwd", "call_site", "call_sources")   # (with max_block_m: all of a config the per-call kernels read)
+
+
+def call_settings(config):
+    return [x for f in CALL_FIELDS for x in getattr(config, f)] + [config.max_block_m]
+
+
+def from_settings(settings):
+    return replace(DEFAULT, **{f: tuple(settings[3 * i:3 * i + 3]) for i, f in enumerate(CALL_FIELDS)},
+                   max_block_m=settings[-1])
+
+
+@torch.library.custom_op(f"{NAMESPACE}::route_call", mutates_args=())
+def route_call(hist: torch.Tensor, r: torch.Tensor, null: torch.Tensor | None, q: torch.Tensor, g: torch.Tensor,
+               heads: int, eps: float, config: list[int]) -> list[torch.Tensor]:
+    """call_forward as an operator: [out [M, d], lse [heads, M]]."""
+    _announced(config := from_settings(config), hist.size(-1), heads, hist.dtype)
+    return list(call_forward(hist, r, null, q, g, heads, eps, config))
+
+
+@route_call.register_fake
+def _(hist, r, null, q, g, heads, eps, config):
+    return [hist.new_empty(hist.shape[1:]), r.new_empty(heads, hist.size(1))]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::route_call_backward", mutates_args=())
+def route_call_backward(hist: torch.Tensor, r: torch.Tensor, null: torch.Tensor | None, q: torch.Tensor,
+                        g: torch.Tensor, lse: torch.Tensor, gout: torch.Tensor, heads: int, eps: float,
+                        config: list[int]) -> list[torch.Tensor]:
+    """call_backward as an operator: [dhist, dq, dg] and dnull where there is a null."""
+    dhist, dnull, dq, dg = call_backward(hist, r, null, q, g, lse, gout, heads, eps, from_settings(config))
+    return [dhist, dq, dg] + ([dnull] if dnull is not None else [])
+
+
+@route_call_backward.register_fake
+def _(hist, r, null, q, g, lse, gout, heads, eps, config):
+    return [torch.empty_like(hist), torch.empty_like(q), torch.empty_like(g)] + (
+        [torch.empty_like(null)] if null is not None else [])
+
+
+def _setup_route_call(ctx, inputs, output):
+    hist, r, null, q, g, heads, eps, config = inputs
+    ctx.save_for_backward(hist, r, null, q, g, output[1])
+    ctx.heads, ctx.eps, ctx.config = heads, eps, config
+
+
+def _route_call_grad(ctx, grads):   # (the grads of [out, lse]; lse's is None: nothing downstream reads it)
+    gout = grads[0]
+    hist, r, null, q, g, lse = ctx.saved_tensors
+    dhist, dq, dg, *dnull = getattr(torch.ops, NAMESPACE).route_call_backward(hist, r, null, q, g, lse, gout, ctx.heads,
+                                                                               ctx.eps, ctx.config)
+    return dhist, None, dnull[0] if dnull else None, dq, dg, None, None, None
+
+
+route_call.register_autograd(_route_call_grad, setup_context=_setup_route_call)

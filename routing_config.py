@@ -86,6 +86,18 @@ def announce(config, d, heads):
               file=sys.stderr, flush=True)
 
 
+def op_namespace(module, home, op):
+    """The torch.library namespace of a routing module's operators: mhar for the repository's own module (named home),
+    else one of its own: a copy imported under another name (an exported folder's, which transformers loads as a
+    package of its own) or imported again registers its operators beside its own state."""
+    import zlib
+    base = "mhar" if module == home else f"mhar_{zlib.crc32(module.encode()):08x}"
+    ns, k = base, 1
+    while hasattr(getattr(torch.ops, ns), op):
+        ns, k = f"{base}_{k}", k + 1
+    return ns
+
+
 def _block_m(tile, width, config):
     """Tokens per program: the power of two that fills `tile` register elements at this head width."""
     if INTERPRET:   # the interpreter runs programs one by one: few, large ones

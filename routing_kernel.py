@@ -37,7 +37,6 @@ sharing; ~10 more a site (the fp32 output written and read, s_n read again for d
 BENCHMARKS.md.
 """
 import weakref
-import zlib
 
 import torch
 
@@ -47,7 +46,7 @@ try:
 except ImportError:  # the model falls back to the reference routing (model.py prints why)
     triton = None
 
-from routing_config import INTERPRET, _block_m, _split, announce, check_envelope, config_for, lead_schedule
+from routing_config import INTERPRET, _block_m, _split, announce, check_envelope, config_for, lead_schedule, op_namespace
 
 
 def available(device):
@@ -575,17 +574,7 @@ class FusedRouter:
 ROUTERS = weakref.WeakValueDictionary()   # id -> FusedRouter
 
 
-def _namespace():
-    """The operators' namespace: mhar for this file; a copy of it imported under another name (an exported folder's,
-    which transformers loads as a package of its own) or imported again registers its own, beside its own ROUTERS."""
-    base = "mhar" if __name__ == "routing_kernel" else f"mhar_{zlib.crc32(__name__.encode()):08x}"
-    ns, k = base, 1
-    while hasattr(getattr(torch.ops, ns), "route_site"):
-        ns, k = f"{base}_{k}", k + 1
-    return ns
-
-
-NAMESPACE = _namespace()
+NAMESPACE = op_namespace(__name__, "routing_kernel", "route_site")   # (a copy of this file: its own, beside its ROUTERS)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::route_site", mutates_args=())

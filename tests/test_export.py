@@ -416,3 +416,55 @@ def test_one_export_into_a_folder_at_a_time(exported, tmp_path):
     (stale / "model.safetensors").write_bytes(b"half written")
     export.main([f"--out_dir={ckpt_dir}", f"--hf_dir={target}", "--check=False"])
     assert not stale.exists() and (target / "config.json").exists() and not lock.exists()
+
+
+# what a user of transformers does with a routed export beyond loading it, in a fresh `python -I` elsewhere
+API_ELSEWHERE = """
+import sys, warnings, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder = sys.argv[1]
+hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)   # a stock tokenizer: no code of the folder
+n, vocab = hf.config.max_position_embeddings, hf.config.vocab_size
+prompt = torch.tensor([tok("The castle stood on a hill above the").input_ids])
+beam = dict(num_beams=3, num_return_sequences=3, max_new_tokens=6, do_sample=False)
+long = torch.randint(0, tok.vocab_size, (2, n - 4), generator=torch.Generator().manual_seed(0))
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    past = hf.generate(long, max_new_tokens=12, min_new_tokens=12, do_sample=False)   # 8 past the training length
+x = torch.randint(0, tok.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+grads = []
+for on in (False, True):
+    hf.train()
+    hf.zero_grad()
+    if on:
+        hf.gradient_checkpointing_enable()
+    hf(x, labels=x).loss.backward()
+    grads.append([p.grad.clone() for p in hf.parameters() if p.grad is not None])
+hf.eval()
+torch.save({"beam": hf.generate(prompt, **beam), "beam_uncached": hf.generate(prompt, use_cache=False, **beam),
+            "past": past, "past_uncached": hf.generate(long, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                                       use_cache=False),
+            "n": n, "warned": [str(w.message) for w in said], "grads": grads, "tokenizer": type(tok).__name__,
+            "checkpointing": hf.is_gradient_checkpointing}, "api.pt")
+"""
+
+
+@pytest.mark.parametrize("name", [n for n in [*EXPORTS, "delta"] if n != "baseline"])
+def test_export_takes_the_transformers_api(exported, name, tmp_path):
+    """A routed export in a fresh `python -I` elsewhere (transformers alone): beam search with the cache returns what
+    it returns without one; generate() runs 8 tokens past the training length, as a stock model does (transformers'
+    own notice, no exception), with the cache and without it alike; gradient_checkpointing_enable() checkpoints the
+    sublayers and the gradients equal those without it; AutoTokenizer loads it with trust_remote_code=False (no code
+    of the folder, no prompt)."""
+    _, hf_dir = exported[name]
+    r = subprocess.run([sys.executable, "-I", "-c", API_ELSEWHERE, hf_dir], cwd=tmp_path, capture_output=True,
+                       text=True, env=hf_offline_env(), stdin=subprocess.DEVNULL, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "api.pt")
+    assert torch.equal(got["beam"], got["beam_uncached"]) and got["beam"].shape[0] == 3
+    assert got["past"].shape[1] == got["n"] + 8 and torch.equal(got["past"], got["past_uncached"])
+    assert "Do you wish to run the custom code" not in r.stdout + r.stderr and got["tokenizer"]
+    assert got["checkpointing"] and len(got["grads"][0]) == len(got["grads"][1]) > 0
+    for plain, recomputed in zip(*got["grads"]):
+        assert torch.equal(plain, recomputed)

@@ -950,18 +950,25 @@ def test_fused_route_scale_matches_reference(residual):
 
 
 @pytest.mark.parametrize("kw", [dict(residual="mhar", route_heads=2), dict(residual="attnres"),
-                                dict(residual="mhar", route_heads=2, route_blocks=2)], ids=["mhar", "attnres", "blocks"])
+                                dict(residual="mhar", route_heads=2, route_blocks=2),
+                                dict(residual="delta", route_heads=2, num_blocks=2)],
+                         ids=["mhar", "attnres", "blocks", "delta"])
 def test_fused_routing_traces_whole_under_torch_compile(kw):
-    """torch.compile(model) on a model with the fused routing (full, single head, block): each site is an operator
-    (routing_kernel.route_site), so torch._dynamo.explain finds one graph and no break, and a fullgraph compile
-    (aot_eager: AOTAutograd's forward and backward graphs) trains two steps with the loss and every gradient of the
-    eager fused path, bitwise."""
+    """torch.compile(model) on a model with the fused routing (full, single head, block, delta): each site is an
+    operator (routing_kernel.route_site; delta's per-call routing, routing_call.route_call), so torch._dynamo.explain
+    finds one graph and no break, and a fullgraph compile (aot_eager: AOTAutograd's forward and backward graphs)
+    trains two steps with the loss and every gradient of the eager fused path, bitwise."""
     if not rk.available(DEVICE):
         pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
     import torch._dynamo
     torch.manual_seed(0)
     m = GPT(tiny_cfg(routing_impl="fused", n_embd=64, **kw)).to(DEVICE)
     randomize_routing(m)
+    if kw["residual"] == "delta":   # routing live: the gates open, the null sources away from 0
+        with torch.no_grad():
+            for site in m.routing_sites():
+                site.alpha.fill_(0.7)
+                site.null.normal_()
     idx, y = (torch.randint(0, 96, (2, 16), device=DEVICE) for _ in range(2))
     explained = torch._dynamo.explain(m)(idx, y)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
