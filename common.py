@@ -84,6 +84,10 @@ def pid_alive(pid):
     return True
 
 
+def is_dtensor(t):   # an FSDP2 shard? (torch.distributed.tensor is imported by FSDP runs alone: no module, no DTensor)
+    return "torch.distributed.tensor" in sys.modules and isinstance(t, sys.modules["torch.distributed.tensor"].DTensor)
+
+
 # ---- what a path holds: the artifacts the scripts write, recognised by content --------------------------------------
 
 # Every path a script writes is declared with the kind it writes (options.Path(..., writes=KIND)); an existing path is

@@ -43,8 +43,9 @@ if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing i
 import torch
 import torch.nn.functional as F
 
-from checkpoint import load_model as checkpoint_model, read_log
+from checkpoint import load_model as checkpoint_model
 from common import PLOT_MARK, keeps_signals, run_script, write_atomic
+from metrics import read_log
 from options import Count, Device, Parser, Path, Text
 from prepare_data import TokenData, check_files
 from tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer

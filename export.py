@@ -423,7 +423,7 @@ def card_results(ckpt_dir, info, ckpt):
     every eval.py results file beside the checkpoint whose recorded checkpoint fingerprint and weights (raw or EMA) are
     these; each file left out is named with what it scored instead."""
     from huggingface_hub import EvalResult
-    from checkpoint import read_log
+    from metrics import read_log
     found, step, ema = [], ckpt.get("step"), info["weights"] == "ema"
     result = lambda dataset, metric, value: EvalResult(  # noqa: E731
         task_type="text-generation", dataset_type=dataset, dataset_name=dataset, metric_type=metric, metric_value=value)

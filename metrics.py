@@ -25,8 +25,49 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import is_dtensor, read_log, trim_log
-from common import write_atomic
+from common import is_dtensor, write_atomic
+
+
+# ---- log.jsonl: read back (a resume trims it to its checkpoint) --------------------------------------------------------------------------------------------------------
+
+def read_log(path, repair=False, say=print):
+    """The records of a log.jsonl. A last line cut short (a crash or a full disk mid-write) is left out, and with
+    repair also cut from the file (one line says so); any other line that is not JSON is an error naming the line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines, records = data.split(b"\n"), []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except (ValueError, UnicodeDecodeError) as e:
+            if i < len(lines) - 1:   # a complete line (a newline follows) that is not JSON: not ours to guess
+                raise ValueError(f"{path}, line {i + 1}: not JSON ({e}); fix or remove that line") from None
+            if repair:
+                with open(path, "r+b") as f:
+                    f.truncate(len(data) - len(line))
+                say(f"{path}: removed a partial last line ({len(line)} bytes, written when the run stopped)")
+            return records
+    if repair and lines[-1].strip():   # a whole last record without its newline: the next one gets its own line
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    return records
+
+
+def trim_log(path, step, say):
+    """Resuming at `step`: log.jsonl keeps the records up to it; those of later steps (the stopped run went past its
+    last checkpoint, and the resumed run writes them again) move to a side file, named in one line."""
+    records = read_log(path, repair=True, say=say)
+    later = [r for r in records if r.get("step", 0) > step]
+    if later:
+        side = f"{os.path.splitext(path)[0]}.after-step{step}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        with open(side, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in later)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step)
+        os.replace(path + ".tmp", path)
+        say(f"{path}: {len(later)} records after step {step} (the stopped run's, redone now) moved to {side}")
 
 
 # ---- routing statistics -----------------------------------------------------------------------------------------------

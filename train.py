@@ -36,14 +36,14 @@ if __name__ == "__main__":   # Ctrl-C while torch loads: a quiet exit (nothing i
 import torch
 import torch.distributed as dist
 
-from checkpoint import (CheckpointWriteError, OutDirLocked, StopSignals, data_identity, git_revision, is_dtensor,
-                        keep_tokenizer, list_runs, lock_out_dir, restore, save_checkpoint, start_point)
-from common import keeps_signals, lock_holder, run_script
+from checkpoint import CheckpointWriteError, data_identity, git_revision, keep_tokenizer, restore, save_checkpoint
+from common import is_dtensor, keeps_signals, lock_holder, run_script
 from configurator import MODEL_KEYS, horizon, parse_args, unused_options
 from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync_grads
 from metrics import StepLog, Tracker, routing_statistics, val_bytes_per_token
 from model import GPT, GPTConfig
 from prepare_data import TokenData, check_files
+from runs import OutDirLocked, StopSignals, list_runs, lock_out_dir, start_point
 
 
 def fail(msg):

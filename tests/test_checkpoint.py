@@ -21,7 +21,9 @@ import checkpoint
 import configurator
 import eval as evaluate
 import export
+import metrics
 import prepare_data
+import runs
 import train
 from model import GPT
 from support import HERE, kill_when_logged, read_log, run_train, strict_log, tiny_cfg, together
@@ -48,7 +50,7 @@ def test_log_with_a_partial_last_line_resumes_and_plots(tmp_path, data_dir):
         f.seek(0)
         f.writelines(lines[:2] + ["not json\n"] + lines[2:])
     with pytest.raises(ValueError, match=r"log.jsonl, line 3: not JSON"):
-        checkpoint.read_log(log)
+        metrics.read_log(log)
     r = run_train(out, data_dir, "--max_steps=10", "--eval_interval=3", "--init_from=resume")
     assert r.returncode != 0 and "log.jsonl, line 3: not JSON" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
@@ -286,7 +288,7 @@ def test_list_runs_names_what_it_cannot_read_and_copies(tmp_path):
     run("a", "out/a", '{"step": 1, "loss": 9.0}\nnot json\n' + good)
     run("b", "out/b", good)
     run("copy", "out/b", good)
-    rows = {name: state for name, _, _, _, _, state in checkpoint.list_runs(str(tmp_path))}
+    rows = {name: state for name, _, _, _, _, state in runs.list_runs(str(tmp_path))}
     assert rows == {"a": "finished; log.jsonl damaged at line 2", "b": "finished",
                     "copy": "finished; its checkpoint was written in out/b (copied or renamed here)"}, rows
     r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--list={tmp_path}"], capture_output=True,

@@ -21,6 +21,7 @@ import configurator
 import eval as evaluate
 import export
 import prepare_data
+import runs
 import sample
 import train
 from model import GPTConfig
@@ -90,8 +91,8 @@ def test_resume_refuses_another_route_blocks():
     assert saved["route_blocks"] == 2 and GPTConfig.from_dict(older).route_blocks is None
     for model_config, was in ((saved, 2), (older, None)):
         with pytest.raises(ValueError, match=rf"would be ignored: --route_blocks=4 \(checkpoint: {was}\)"):
-            checkpoint.refuse_ignored_architecture(configurator.parse_args(["--route_blocks=4"]), model_config, "ckpt.pt")
-    checkpoint.refuse_ignored_architecture(configurator.parse_args(["--route_blocks=2"]), saved, "ckpt.pt")
+            runs.refuse_ignored_architecture(configurator.parse_args(["--route_blocks=4"]), model_config, "ckpt.pt")
+    runs.refuse_ignored_architecture(configurator.parse_args(["--route_blocks=2"]), saved, "ckpt.pt")
 
 
 def test_config_file_errors_name_the_file_and_line(tmp_path):

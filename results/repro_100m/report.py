@@ -15,7 +15,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
-from checkpoint import read_log  # noqa: E402
+from metrics import read_log  # noqa: E402
 MODES = ("baseline", "hyper", "attnres", "mhar")
 
 

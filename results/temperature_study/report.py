@@ -26,7 +26,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
-from checkpoint import read_log  # noqa: E402
+from metrics import read_log  # noqa: E402
 # Student's t, two-sided 95%: critical values for 1..10 degrees of freedom
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 # ... and one-sided 95% (two-sided 90%), the equivalence test's
