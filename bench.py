@@ -34,6 +34,7 @@ the launch settings' tuner (--tune-train), the authors' kernel and single-head p
 """
 import functools
 import gc
+import json
 import os
 import signal
 import sys
@@ -52,7 +53,7 @@ import graphs
 import routing_kernel as rk
 import train
 from bench_routing import header, time_chain, write_json
-from common import keeps_signals, run_script
+from common import keeps_signals, run_script, write_atomic
 from options import Choice, Count, Counts, Device, Flag, Names, Parser, Path, Real
 from metrics import mfu
 from model import GPT, GPTConfig, route_reference
@@ -280,7 +281,15 @@ def main(argv=None):
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     print(head := header(args.device), flush=True)
-    traces = os.path.join(os.path.dirname(os.path.abspath(args.output)), "traces") if args.profile else None
+    traces = None
+    if args.profile:   # the traces' folder beside the record: bench.py's own (its manifest) or new, nothing else
+        traces = os.path.join(os.path.dirname(os.path.abspath(args.output)), "traces")
+        try:
+            Path("out_dir", writes="bench traces").check(traces)
+        except ValueError as e:
+            sys.exit(f"bench.py: error: --profile writes {traces}, which {e}")
+        os.makedirs(traces, exist_ok=True)
+        write_atomic(os.path.join(traces, "traces.json"), json.dumps({"written_by": "bench.py --profile"}))
     rows = []
     for scale in scales:
         for variant in variants:

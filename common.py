@@ -108,11 +108,12 @@ ARTIFACTS = {
     "plot": "an eval.py --plot image",
     "bench record": "a bench.py record (JSON)",
     "routing bench record": "a bench_routing.py record (JSON)",
+    "bench traces": "a bench.py --profile folder of traces",
     "file": "a file of none of these kinds (someone's own)",
     "folder": "a folder of other things (someone's own files or folders)",
 }
 WRITTEN_BY = {"eval.py": "eval results", "eval.py --probe": "probe", "bench.py": "bench record",
-              "bench_routing.py": "routing bench record"}   # a JSON record's "written_by" -> its kind
+              "bench_routing.py": "routing bench record", "bench.py --profile": "bench traces"}   # a JSON record's "written_by" -> its kind
 PLOT_MARK = "mhar eval.py --plot"   # the PNG text chunk (Software) that marks eval.py's plots
 
 
@@ -128,7 +129,7 @@ def artifact(path):
         return kind
     parent = _folder_kind(os.path.dirname(os.path.abspath(path)))
     return {"run": "run file", "converted": "run file", "data": "data file", "export": "export file",
-            "probe": "probe"}.get(parent, "file")
+            "probe": "probe", "bench traces": "bench traces"}.get(parent, "file")
 
 
 def _json(path, limit=1 << 20):
@@ -190,6 +191,9 @@ def _folder_kind(path):
     if (isinstance(meta, dict) and {"tokenizer_id", "train_tokens"} <= meta.keys()) or names & {"prepare.lock",
                                                                                                   ".incomplete"}:
         return "data"   # (or one being prepared)
+    traces = _json(os.path.join(path, "traces.json")) if "traces.json" in names else None
+    if isinstance(traces, dict) and traces.get("written_by") == "bench.py --profile":
+        return "bench traces"
     probe = _json(os.path.join(path, "probe.json")) if "probe.json" in names else None
     if isinstance(probe, dict) and (probe.get("written_by") == "eval.py --probe" or "routing_maps.png" in names):
         return "probe"

@@ -25,7 +25,7 @@ import torch
 
 from checkpoint import read_checkpoint, verify_checkpoint
 from model import GPT, GPTConfig
-from common import keeps_signals, run_script
+from common import LockHeld, keeps_signals, release_lock, run_script, take_lock
 from options import Choice, Count, Device, Parser, Path
 from tokenizer import Tokenizer, load_tokenizer, tokenizer_id
 
@@ -240,6 +240,22 @@ def converted_here(path):
 def main(argv=None):
     args = parser().parse_args(argv)   # every option by its rule, before anything loads
     t0 = time.time()
+    parent, name = os.path.split(os.path.abspath(args.out_dir))
+    lock = os.path.join(parent, f".{name}.convert.lock")   # one convert.py into a folder at a time
+    try:
+        os.makedirs(parent, exist_ok=True)
+        take_lock(lock, "convert.py")
+    except LockHeld as e:
+        sys.exit(f"convert.py: error: --out_dir={args.out_dir} is being written by another convert.py (pid "
+                 f"{e.holder['pid']}, since {e.holder.get('since', '?')}): wait for it, or pick another folder")
+    try:
+        convert(args, t0)
+    finally:
+        release_lock(lock)
+
+
+def convert(args, t0):
+    """The conversion main runs under its lock: checks, the model, the identity check, the checkpoint written."""
     try:
         if os.path.isdir(args.out_dir) and os.path.samefile(args.hf_dir, args.out_dir):
             raise ValueError(f"--out_dir={args.out_dir} is --hf_dir: write the converted model to a folder of its own")

@@ -427,8 +427,8 @@ def parser(verify=False):
                    "FineWeb-Edu from the Hub")
     p.add_argument("--val_input", type=Inputs(), help="validation documents (same formats); default: every k-th input "
                    "document")
-    p.add_argument("--out_dir", type=Path("dir", absolute=False) if verify else Path("out_dir", absolute=False,
-                                                                                    writes="data"),
+    p.add_argument("--out_dir", type=Path("dir", "a folder prepare_data.py wrote (its meta.json)", absolute=False)
+                   if verify else Path("out_dir", absolute=False, writes="data"),
                    help="output folder (default data/<input name> or data/fineweb_edu)")
     p.add_argument("--tokenizer", type=Tokenizer(hub=True), default="gpt2", help=f"tiktoken encoding "
                    f"({', '.join(TOKENIZERS)}; default gpt2), the path of a Hugging Face tokenizer.json (e.g. of a model "

@@ -128,6 +128,14 @@ def test_convert_bad_inputs_write_nothing(tmp_path):
     said = refusal(lambda: convert.main([f"--hf_dir={hf_dir}", f"--out_dir={hf_dir}/", "--num_blocks=2"]))
     assert re.search(r"--out_dir=\S+ is a folder of other things .*: it must be new, an empty folder or a convert.py "
                      r"folder", said), said   # (the pretrained model's folder: the write guard refuses it)
+    import common
+    lock = os.path.join(os.path.dirname(hf_dir), ".busy.convert.lock")   # another convert.py writing that folder
+    common.take_lock(lock, "convert.py")
+    try:
+        said = refusal(lambda: convert.main([f"--hf_dir={hf_dir}", f"--out_dir={os.path.dirname(hf_dir)}/busy"]))
+    finally:
+        common.release_lock(lock)
+    assert f"is being written by another convert.py (pid {os.getpid()}" in said, said
     assert sorted(os.listdir(hf_dir)) == before
 
 

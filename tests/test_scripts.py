@@ -57,7 +57,7 @@ def test_every_script_refuses_bad_inputs_in_one_line(tmp_path, eval_ckpt, monkey
         (lambda: prep("--max_val_tokens=0"), r"--max_val_tokens=0 must be a whole number in \[1,"),
         (lambda: prep("--workers=-1"), r"--workers=-1 must be a whole number in \[1, 1,024\]"),
         (lambda: prep("--val_fraction=nan"), r"--val_fraction=nan must be a finite number in \(0, 1\)"),
-        (lambda: prepare_data.main(["--verify", f"--out_dir={nowhere}"]), r"--verify needs --out_dir=<a folder prepare_data.py"),
+        (lambda: prepare_data.main(["--verify", f"--out_dir={nowhere}"]), r"does not exist: it must be an existing folder: a folder prepare_data.py wrote"),
         (lambda: bench.main(["--device=gpu"]), r"bench.py: error: --device=gpu must be cpu, cuda or cuda:N"),
         (lambda: bench.main(["--device=cuda:99"]), r"bench.py: error: --device=cuda:99 but"),
         (lambda: bench.main(["--steps=0"]), r"bench.py: error: --steps=0 must be a whole number in \[1,"),
