@@ -14,6 +14,7 @@ the errors into its one-line messages.
 """
 import errno
 import filecmp
+import json
 import mmap
 import os
 import pickle
@@ -88,6 +89,9 @@ def fingerprint(path):
     name, size and CRC-32; verify_checkpoint checks the records against these). Results carry it, so that a model card
     quotes only the results of the weights it ships."""
     import hashlib
+    if os.path.isdir(path):   # a sharded checkpoint: its crc.json names every file's CRC-32 the same way
+        with open(os.path.join(path, "crc.json"), "rb") as f:
+            return "sha256:" + hashlib.sha256(f.read()).hexdigest()
     with zipfile.ZipFile(path) as zf:
         entries = sorted(f"{i.filename}:{i.file_size}:{i.CRC:08x}" for i in zf.infolist())
     return "sha256:" + hashlib.sha256("\n".join(entries).encode()).hexdigest()
@@ -151,12 +155,14 @@ def save_checkpoint(path, model, optimizer, ema, step, extra, cfg, rt):
         dist.all_gather_object(rngs, rng)
     else:
         rngs = [rng]
-    if cfg.fsdp:   # gather full tensors on rank 0 (every rank takes part)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optim_state = get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
-    else:
-        model_state, optim_state = model.state_dict(), optimizer.state_dict()
+    if cfg.fsdp:   # every rank writes its own shards (save_sharded)
+        path = os.path.join(os.path.dirname(path), SHARDED)
+        size = save_sharded(path, model, optimizer, ema, {"step": step, "rng": rngs, **extra}, rt)
+        kept = keep_sharded(path, step) if rt.master and cfg.keep_every and step % cfg.keep_every == 0 else None
+        rt.say(f"saved {path} (step {step}, {size / 1e9:.2f} GB in {rt.world} ranks' shards) in {time.time() - t0:.1f} s"
+               + (f"; kept as {kept}" if kept else ""))
+        return
+    model_state, optim_state = model.state_dict(), optimizer.state_dict()
     ema_state = None if ema is None else ema.state_dict(rt.master)
     if rt.master:
         write_checkpoint(path, {"model": model_state, "optimizer": optim_state, "ema": ema_state, "step": step,
@@ -247,17 +253,17 @@ def load_latest(ckpt_path, master, say=print):
     so; the unreadable file is moved aside, never deleted). A ValueError naming both files when neither can be read."""
     prev, errors = previous_checkpoint(ckpt_path), []
     for path in (ckpt_path, prev):
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             errors.append(f"{path} does not exist")
             continue
         try:
-            ckpt = read_checkpoint(path)
+            ckpt = read_sharded(path) if path.endswith(".dcp") else read_checkpoint(path)
         except ValueError as e:
             errors.append(str(e).split(";")[0])
             continue
         if path == prev and master:
             aside = None
-            if os.path.isfile(ckpt_path):
+            if os.path.exists(ckpt_path):
                 aside = f"{ckpt_path}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
                 os.replace(ckpt_path, aside)
             say(f"train.py: {errors[0]}; resuming from the checkpoint before it, {prev} (step {ckpt['step']}, "
@@ -270,13 +276,17 @@ def load_latest(ckpt_path, master, say=print):
 def restore(ckpt, model, optimizer, ema, cfg, rt):
     """Optimizer, EMA and RNG states of a resumed checkpoint into a run (the weights are loaded with the model); its
     step. cfg.fsdp: every rank takes part, rank 0's full optimizer state broadcast to the shards."""
-    if cfg.fsdp:
+    if ckpt.get("sharded"):   # weights, optimizer and EMA, each rank its shards (resharded at another world size)
+        if ema is not None and not ckpt.get("ema_keys"):
+            raise ValueError("--ema_decay is set but the checkpoint has no EMA weights")
+        load_sharded(ckpt["sharded"], model, optimizer, ema)
+    elif cfg.fsdp:   # a full checkpoint (written before FSDP runs saved shards): rank 0's, broadcast
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         set_optimizer_state_dict(model, optimizer, ckpt["optimizer"] if rt.master else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:
         optimizer.load_state_dict(ckpt["optimizer"])
-    if ema is not None:
+    if ema is not None and not ckpt.get("sharded"):
         if ckpt.get("ema") is None:
             raise ValueError("--ema_decay is set but the checkpoint has no EMA weights")
         ema.load(ckpt["ema"], rt.device)
@@ -290,6 +300,148 @@ def restore(ckpt, model, optimizer, ema, cfg, rt):
     if rt.device_type == "cuda" and rng.get("cuda") is not None:
         torch.cuda.set_rng_state(rng["cuda"])
     return ckpt["step"]
+
+
+# ---- sharded checkpoints (FSDP) ---------------------------------------------------------------------------------------
+# An FSDP run's checkpoint is a folder, out_dir/ckpt.dcp: torch.distributed.checkpoint, each rank writing its own shards
+# of the model, optimizer and EMA states at once (the format torchtitan resumes from; a resume at another world size
+# reshards on load), rank 0 the plain rest in meta.pt (what a ckpt.pt holds beside its tensors) and, last, crc.json:
+# every file's CRC-32, read back by the rank that wrote it. The folder is checked by content as a ckpt.pt is, rotated
+# to ckpt.prev.dcp as ckpt.pt is, and read whole (sample.py, eval.py, export.py) without a process group.
+SHARDED = "ckpt.dcp"
+
+
+def sharded_state(model, optimizer, ema):
+    """The states a sharded checkpoint holds, as the live (sharded) tensors that a save reads and a load fills."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    if ema is not None:
+        state["ema"] = {name: e for (name, _), e in zip(ema.named, ema.shadow)}
+    return state
+
+
+def _crc(path):
+    crc = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def save_sharded(path, model, optimizer, ema, payload, rt):
+    """Every rank: its shards into path.tmp, read back (CRC-32); then rank 0 writes meta.pt (payload: step, RNG states,
+    configs) and crc.json, and rotates the folder into place (the one it replaces becomes ckpt.prev.dcp). Every rank
+    raises CheckpointWriteError when any failed (the partial folder removed); -> the folder's bytes."""
+    import torch.distributed.checkpoint as dcp
+    tmp, crcs, error = path + ".tmp", {}, None
+    if rt.master:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    try:
+        dcp.save(sharded_state(model, optimizer, ema), checkpoint_id=tmp)
+        crcs = {f: _crc(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith(f"__{rt.rank}_")}
+    except Exception as e:   # (a full disk on any rank: every rank learns of it below)
+        error = e
+    gathered = [None] * rt.world
+    dist.all_gather_object(gathered, (crcs, None if error is None else write_cause(error, os.path.dirname(tmp), tmp)[0]))
+    failed = next((why for _, why in gathered if why), None)
+    if rt.master and failed is None:
+        try:
+            torch.save({**payload, "ema_keys": [] if ema is None else [n for n, _ in ema.named]},
+                       os.path.join(tmp, "meta.pt"))
+            files = {name: crc for c, _ in gathered for name, crc in c.items()}
+            files.update({f: _crc(os.path.join(tmp, f)) for f in (".metadata", "meta.pt")})
+            with open(os.path.join(tmp, "crc.json"), "w") as f:
+                json.dump(files, f, indent=1)
+            prev = previous_checkpoint(path)
+            shutil.rmtree(prev, ignore_errors=True)
+            if os.path.exists(path):
+                os.replace(path, prev)
+            os.replace(tmp, path)
+        except Exception as e:
+            failed = write_cause(e, os.path.dirname(tmp), tmp)[0]
+    verdict = [failed]
+    dist.broadcast_object_list(verdict, 0)
+    if verdict[0] is not None:
+        if rt.master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"saving the step-{payload['step']} checkpoint failed: {verdict[0]}, writing {tmp}; the "
+                                   f"partial folder is removed ({path} is as it was). Fix the cause, then continue with "
+                                   "--init_from=resume")
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) if rt.master else 0
+
+
+def keep_sharded(path, step):
+    """out_dir/ckpt-step{step}.dcp: the folder just written, linked (its files never change after the write; a copy
+    where links are not possible). One already there is left as it is."""
+    kept = os.path.join(os.path.dirname(path), f"ckpt-step{step}.dcp")
+    if not os.path.exists(kept):
+        def link(src, dst):
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+        shutil.copytree(path, kept + ".tmp", copy_function=link)
+        os.replace(kept + ".tmp", kept)
+    return kept
+
+
+def verify_sharded(path):
+    """A sharded checkpoint against its crc.json, the files spread over the ranks of a running job (each reads its
+    share; all learn of any damage), or all read here without one. A ValueError that calls it damaged."""
+    try:
+        with open(os.path.join(path, "crc.json")) as f:
+            files = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {path} is incomplete (no readable crc.json: {type(e).__name__}); a save that did "
+                         "not finish, or not a checkpoint of this repository") from None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    mine = sorted(files)[rank::world]
+    bad = [f for f in mine if not os.path.isfile(os.path.join(path, f)) or _crc(os.path.join(path, f)) != files[f]]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, bad)
+        bad = [f for b in everyone for f in b]
+    if bad:
+        raise ValueError(f"checkpoint {path} is damaged: {len(bad)} of its {len(files)} files fail their CRC check "
+                         f"(e.g. {bad[0]}); its bytes changed after it was written")
+
+
+def read_sharded(path, whole=False):
+    """A sharded checkpoint, checked by content: its meta.pt (step, configs, RNG states) and "sharded": path, for a
+    resume to load its shards in place (load_sharded); with whole=True also its full model and EMA weights, read
+    here without a process group (eval, sample, export)."""
+    verify_sharded(path)
+    try:
+        ckpt = load_plain(os.path.join(path, "meta.pt"))
+    except pickle.UnpicklingError:
+        raise ValueError(f"checkpoint {path}/meta.pt asks to run code when loaded, which this repository never does; "
+                         "nothing in it was run") from None
+    ckpt["sharded"] = path
+    if whole:
+        import torch.distributed.checkpoint as dcp
+        with torch.device("meta"):
+            shapes = GPT(GPTConfig.from_dict(ckpt["model_config"])).state_dict()
+        state = {"model": {k: torch.empty_like(v, device="cpu") for k, v in shapes.items()}}
+        if ckpt.get("ema_keys"):
+            state["ema"] = {k: torch.empty_like(state["model"][k], dtype=torch.float32) for k in ckpt["ema_keys"]}
+        import warnings
+        with warnings.catch_warnings():   # ("no process group: loading in a single process", as meant)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, no_dist=not (dist.is_available() and dist.is_initialized()))
+        ckpt.update(model=state["model"], ema=state.get("ema"))
+    return ckpt
+
+
+def load_sharded(path, model, optimizer, ema):
+    """A sharded checkpoint's states into a sharded run, in place, each rank its own (resharded where the world size
+    is not the saving run's); the optimizer's moments are made first (a zero step) so there is somewhere to load them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    state = sharded_state(model, optimizer, ema)
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())   # (a run of one process without FSDP)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 # ---- what a checkpoint says it came from: the data and the tree ----------------------------------------------------
@@ -331,15 +483,25 @@ def git_revision():
 
 # ---- a model from its checkpoint (sample.py, eval.py, export.py; nanochat's checkpoint_manager.build_model) ---------
 
+def checkpoint_path(path):
+    """The checkpoint a path names: a ckpt.pt file or a sharded folder as they are; an out_dir's ckpt.pt, or its
+    ckpt.dcp where an FSDP run left only that."""
+    if os.path.isdir(path) and not path.rstrip("/").endswith(".dcp"):
+        return os.path.join(path, SHARDED if not os.path.exists(os.path.join(path, "ckpt.pt")) and
+                            os.path.isdir(os.path.join(path, SHARDED)) else "ckpt.pt")
+    return path
+
+
 def load_model(path_or_out_dir, device="cpu", ckpt=None, ema=False, say=None):
     """The model of a train.py checkpoint (a ckpt.pt file, or the out_dir holding one), checked by content
     (read_checkpoint), in fp32 on `device`; ckpt: that file already read. ema: its EMA weights (train.py --ema_decay)
     instead of the raw ones; say(line), where given, is told when the checkpoint holds EMA weights not asked for.
     model.checkpoint_info: its step, tokenizer, training config, folder (where a tokenizer.json lives) and weights."""
-    path = os.path.join(path_or_out_dir, "ckpt.pt") if os.path.isdir(path_or_out_dir) else path_or_out_dir
-    if not os.path.isfile(path):
+    path = checkpoint_path(path_or_out_dir)
+    if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}: pass a ckpt.pt file or the out_dir of a train.py run")
-    ckpt = read_checkpoint(path) if ckpt is None else ckpt
+    ckpt = (read_sharded(path, whole=True) if path.rstrip("/").endswith(".dcp") else read_checkpoint(path)) \
+        if ckpt is None else ckpt
     state = ckpt["model"]
     if ema:
         if not ckpt.get("ema"):
@@ -350,6 +512,6 @@ def load_model(path_or_out_dir, device="cpu", ckpt=None, ema=False, say=None):
             "these are the raw weights; --ema takes the EMA")
     model = GPT.from_state(GPTConfig.from_dict(ckpt["model_config"]), state).float()
     model.checkpoint_info = {k: ckpt.get(k) for k in ("step", "tokenizer", "train_config")}
-    model.checkpoint_info.update(dir=os.path.dirname(os.path.abspath(path)), weights="ema" if ema else "raw",
-                                 file=os.path.basename(path), fingerprint=fingerprint(path))
+    model.checkpoint_info.update(dir=os.path.dirname(os.path.abspath(path.rstrip("/"))), weights="ema" if ema else "raw",
+                                 file=os.path.basename(path.rstrip("/")), fingerprint=fingerprint(path))
     return model.to(device)

@@ -129,7 +129,7 @@ def artifact(path):
         return kind
     parent = _folder_kind(os.path.dirname(os.path.abspath(path)))
     return {"run": "run file", "converted": "run file", "data": "data file", "export": "export file",
-            "probe": "probe", "bench traces": "bench traces"}.get(parent, "file")
+            "probe": "probe", "bench traces": "bench traces", "checkpoint": "checkpoint"}.get(parent, "file")
 
 
 def _json(path, limit=1 << 20):
@@ -199,7 +199,10 @@ def _folder_kind(path):
         return "probe"
     if "ckpt.pt" in names and _converted(os.path.join(path, "ckpt.pt")):
         return "converted"
-    if names & {"ckpt.pt", "ckpt.prev.pt", "log.jsonl", "train.lock"} or any(n.startswith("ckpt-step") for n in names):
+    if {"crc.json", ".metadata"} <= names:   # a sharded checkpoint (an FSDP run's ckpt.dcp)
+        return "checkpoint"
+    if names & {"ckpt.pt", "ckpt.prev.pt", "ckpt.dcp", "log.jsonl", "train.lock"} or any(n.startswith("ckpt-step")
+                                                                                         for n in names):
         return "run"
     return "folder"
 

@@ -47,12 +47,11 @@ GPT2_FILES = ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/e
 
 def load(path, ema=False):
     """(model in fp32, its checkpoint dict) of a train.py out_dir or ckpt.pt; a ValueError in one line otherwise."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "ckpt.pt")
-    if not os.path.isfile(path):
+    from checkpoint import checkpoint_path, read_checkpoint, read_sharded
+    path = checkpoint_path(path)
+    if not os.path.exists(path):
         raise ValueError(f"--out_dir={path}: no checkpoint there (pass a train.py or convert.py out_dir, or a ckpt.pt)")
-    from checkpoint import read_checkpoint
-    ckpt = read_checkpoint(path)   # checked by content
+    ckpt = read_sharded(path, whole=True) if path.rstrip("/").endswith(".dcp") else read_checkpoint(path)   # checked
     model = load_model(path, ckpt=ckpt, ema=ema, say=lambda line: print(f"export.py: {line}"))
     model.eval()
     return model, ckpt
@@ -323,7 +322,8 @@ def main(argv=None):
     parent, name = os.path.split(os.path.abspath(args.hf_dir))
     lock = os.path.join(parent, f".{name}.export.lock")   # one export into a folder at a time
     try:
-        path = os.path.join(args.out_dir, "ckpt.pt") if os.path.isdir(args.out_dir) else args.out_dir
+        from checkpoint import checkpoint_path
+        path = checkpoint_path(args.out_dir)
         os.makedirs(parent, exist_ok=True)
         take_lock(lock, "export.py")
         check_target(args.hf_dir, os.path.abspath(path), args.force)

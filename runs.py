@@ -17,7 +17,7 @@ from dataclasses import asdict, fields
 import torch
 import torch.distributed as dist
 
-from checkpoint import load_latest, load_plain, previous_checkpoint, read_checkpoint
+from checkpoint import SHARDED, load_latest, load_plain, previous_checkpoint, read_checkpoint
 from common import LockHeld, handle_signals, lock_holder, release_lock, take_lock
 from configurator import MODEL_KEYS, RESUMABLE, Config, horizon
 from metrics import read_log
@@ -35,6 +35,10 @@ def start_point(cfg, meta, identity, master):
     (data_identity): the checkpoint to resume, or a convert.py checkpoint to start from, and the model's config. A
     ValueError refuses anything that would overwrite a checkpoint or resume a different run (or data)."""
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    sharded = os.path.join(cfg.out_dir, SHARDED)
+    if (cfg.fsdp or not os.path.exists(ckpt_path)) and (os.path.exists(sharded) or os.path.exists(
+            previous_checkpoint(sharded)) or (cfg.fsdp and not os.path.exists(ckpt_path))):
+        ckpt_path = sharded   # an FSDP run's shards (resharded to this run; a full ckpt.pt of an earlier tree resumes too)
     if cfg.init_from == "resume":
         ckpt = load_latest(ckpt_path, master)
         if ckpt.get("train_config") is None:   # convert.py's: weights and architecture, no training state
@@ -61,7 +65,7 @@ def start_point(cfg, meta, identity, master):
                  + "\nuse the checkpoint's values, or a new out_dir with --init_from=scratch")
         refuse_ignored_architecture(cfg, ckpt["model_config"], ckpt_path)
         return ckpt, None, ckpt["model_config"], ckpt.get("model_source", "config")
-    for path in (ckpt_path, previous_checkpoint(ckpt_path)):
+    for path in (ckpt_path, previous_checkpoint(ckpt_path), sharded, previous_checkpoint(sharded)):
         if os.path.exists(path):
             raise ValueError(f"{path} already exists; " + (
                 f"it is a converted model: train from it with --init_from={cfg.out_dir} --out_dir=<a new folder>"
@@ -145,7 +149,8 @@ def list_runs(folder):
     rows = []
     for name in [""] + sorted(os.listdir(folder)):
         run = os.path.join(folder, name)
-        if not os.path.isdir(run) or not any(os.path.exists(os.path.join(run, f)) for f in ("log.jsonl", "ckpt.pt")):
+        if not os.path.isdir(run) or not any(os.path.exists(os.path.join(run, f))
+                                             for f in ("log.jsonl", "ckpt.pt", SHARDED)):
             continue
         damaged = None
         try:
@@ -156,9 +161,11 @@ def list_runs(folder):
         loss = next((r["loss"] for r in reversed(records) if "loss" in r), None)
         val = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
         step, mode, state = None, "?", "no checkpoint"
-        if os.path.exists(os.path.join(run, "ckpt.pt")):
+        latest = next((os.path.join(run, *f) for f in (("ckpt.pt",), (SHARDED, "meta.pt"))
+                       if os.path.exists(os.path.join(run, f[0]))), None)   # (a sharded run's: its meta.pt)
+        if latest:
             try:   # the small dicts only: the tensors stay mapped, unread
-                ckpt = load_plain(os.path.join(run, "ckpt.pt"))
+                ckpt = load_plain(latest)
                 step, mode = ckpt.get("step"), ckpt["model_config"].get("residual", "?")
                 train_cfg = ckpt.get("train_config") or {}
                 target, home = train_cfg.get("max_steps"), train_cfg.get("out_dir")

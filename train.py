@@ -217,10 +217,11 @@ def resolve_start(cfg, data, master):
 
 def build_model(mcfg, cfg, device, param_dtype, state, master):
     """The model on `device`, weights from `state` (a full state dict) or a fresh seeded init. With FSDP
-    it is built on the meta device and sharded sublayer by sublayer; only rank 0 reads `state`, which is broadcast."""
+    it is built on the meta device and sharded sublayer by sublayer; only rank 0 reads `state`, which is broadcast;
+    "shards": a sharded checkpoint's, which restore loads in place (no init, nothing broadcast)."""
     torch.manual_seed(cfg.seed)
     if not cfg.fsdp:
-        model = GPT(mcfg) if state is None else GPT.from_state(mcfg, state)   # from_state: no init, no fp32 copy
+        model = GPT(mcfg) if state is None or isinstance(state, str) else GPT.from_state(mcfg, state)   # (no copy)
         for p in model.parameters():   # parameters only: the RoPE tables stay fp32 with bf16 weights
             p.data = p.data.to(device, param_dtype, copy=True)   # a copy: never train in a mmap of the checkpoint
         return model.to(device)
@@ -228,6 +229,7 @@ def build_model(mcfg, cfg, device, param_dtype, state, master):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard   # ~0.7 s that only FSDP runs pay
     if state is None and master:   # scratch: rank 0 initialises, everyone receives the same weights
         state = GPT(mcfg).state_dict()
+    shards = isinstance(state, str)
     with torch.device("meta"):
         model = GPT(mcfg)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -240,8 +242,9 @@ def build_model(mcfg, cfg, device, param_dtype, state, master):
     # bf16 RoPE tables: FSDP2 casts each sublayer's inputs to bf16 in forward, but (torch 2.11, compiled sublayers)
     # not when activation checkpointing recomputes it, which then fails on the fp32 tables' changed dtype
     model.reset_buffers(device, torch.bfloat16)
-    set_model_state_dict(model, state if master else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if not shards:
+        set_model_state_dict(model, state if master else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 
 
@@ -423,7 +426,9 @@ def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
         say("config: " + json.dumps({k: v for k, v in asdict(cfg).items() if k not in set(MODEL_KEYS) - {"routing_impl"}}))
         say("architecture (from the checkpoint): " + json.dumps(asdict(mcfg)))
     if cfg.init_from == "resume":
-        say(f"resumed from {os.path.join(cfg.out_dir, 'ckpt.pt')} at step {step}")
+        shards = os.path.join(cfg.out_dir, "ckpt.dcp")
+        say(f"resumed from {shards if cfg.fsdp and os.path.exists(shards) else os.path.join(cfg.out_dir, 'ckpt.pt')} "
+            f"at step {step}")
 
 
 # ---- main ------------------------------------------------------------------------------------------------------------
@@ -454,7 +459,8 @@ def main(argv):
         rt.say(line)
     data = load_data(cfg, rt.world, rt.rank)
     ckpt, init, mcfg, model_source = resolve_start(cfg, data, rt.master)
-    state = ckpt["model"] if ckpt is not None else init["model"] if init is not None else None
+    state = "shards" if ckpt is not None and ckpt.get("sharded") else ckpt["model"] if ckpt is not None else \
+        init["model"] if init is not None else None   # ("shards": restore fills them in place)
     raw_model = build_model(mcfg, cfg, rt.device, rt.param_dtype, state, rt.master)   # checkpoints save it: clean names
     params = [p for p in raw_model.parameters() if p.requires_grad]
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), cfg.adam_eps,

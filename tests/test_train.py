@@ -25,7 +25,7 @@ import runs
 import sample
 import train
 from model import GPTConfig
-from support import HERE, kill_when_logged, read_docs, read_log, run_train, strict_log, together
+from support import HERE, kill_when_logged, launch_env, read_docs, read_log, run_train, strict_log, together
 
 
 @pytest.mark.parametrize("argv,msg", [   # each option's rule (configurator.py's fields), then the rules between options
@@ -381,6 +381,47 @@ def test_ddp_two_processes_match_one(tmp_path, data_dir):
     diff = max(abs(a[0][s]["loss"] - b[0][s]["loss"]) for s in a[0])
     assert sorted(a[0]) == sorted(b[0]) and diff < 1e-4, diff
     assert max(abs(a[1][s]["val_loss"] - b[1][s]["val_loss"]) for s in a[1]) < 1e-4
+
+
+def test_fsdp_checkpoints_are_shards_that_reshard(tmp_path, data_dir):
+    """An FSDP run saves each rank's shards at once (torch.distributed.checkpoint) into out_dir/ckpt.dcp, checked by
+    content (crc.json, written last), rotated to ckpt.prev.dcp: saved at step 4 by 2 processes (gloo), it resumes at 2
+    processes to the unbroken run's losses bitwise, and at 1 (resharded on load) within the cross-world tolerance of
+    bf16 FSDP; sample.py, eval.py and export.py read the folder whole without a process group; a changed byte in one
+    rank's shard is found, and the resume falls back to the checkpoint before it."""
+    a, b, c = (str(tmp_path / n) for n in ("a", "b", "c"))
+    fsdp = ["--eval_interval=2", "--fsdp=True"]
+    first, unbroken = together(lambda: run_train(a, data_dir, "--max_steps=4", "--keep_every=2", *fsdp, nproc=2),
+                               lambda: run_train(c, data_dir, "--max_steps=8", *fsdp, nproc=2))
+    assert first.returncode == 0 and unbroken.returncode == 0, first.stderr[-2000:] + unbroken.stderr[-2000:]
+    shards = sorted(os.listdir(os.path.join(a, "ckpt.dcp")))
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "crc.json", "meta.pt"], shards
+    assert not os.path.exists(os.path.join(a, "ckpt.pt")) and os.path.isdir(os.path.join(a, "ckpt.prev.dcp"))
+    assert checkpoint.load_model(os.path.join(a, "ckpt-step2.dcp")).checkpoint_info["step"] == 2   # --keep_every
+    shutil.copytree(a, b)
+    two, one = together(lambda: run_train(a, data_dir, "--max_steps=8", *fsdp, "--init_from=resume", nproc=2),
+                        lambda: run_train(b, data_dir, "--max_steps=8", *fsdp, "--init_from=resume", nproc=1))
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:] + one.stderr[-2000:]
+    assert "resumed from" in two.stdout and "ckpt.dcp at step 4" in two.stdout
+    steps = range(5, 9)
+    ref, at2, at1 = (read_log(d)[0] for d in (c, a, b))
+    assert [at2[s]["loss"] for s in steps] == [ref[s]["loss"] for s in steps]   # bitwise: the same world size
+    assert max(abs(at1[s]["loss"] - ref[s]["loss"]) for s in steps) < 2e-2     # resharded to one process
+    model = checkpoint.load_model(a)   # whole, in this process (no process group)
+    assert model.checkpoint_info["step"] == 8 and model.checkpoint_info["file"] == "ckpt.dcp"
+    s = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={a}", "--device=cpu",
+                        "--max_new_tokens=3"], capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert s.returncode == 0, s.stderr
+    export.main([f"--out_dir={a}", f"--hf_dir={tmp_path / 'hf'}", "--check=False"])
+    assert json.load(open(tmp_path / "hf" / "config.json"))["exported_from"]["step"] == 8
+    shard = os.path.join(a, "ckpt.dcp", "__1_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"ckpt.dcp is damaged: 1 of its 4 files fail their CRC check"):
+        checkpoint.read_sharded(os.path.join(a, "ckpt.dcp"))
+    r = run_train(a, data_dir, "--max_steps=10", *fsdp, "--init_from=resume", nproc=2)
+    assert r.returncode == 0 and "resuming from the checkpoint before it" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_fsdp_two_processes_match_one(tmp_path, data_dir):
