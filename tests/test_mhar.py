@@ -547,6 +547,12 @@ def test_every_routing_parameter_is_checked_fused_against_reference(kw):
     several, delta (its null sources and gates too)."""
     if not rk.available(DEVICE):
         pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1")
+    check_every_routing_parameter(kw)
+
+
+def check_every_routing_parameter(kw):
+    """test_every_routing_parameter_is_checked_fused_against_reference's check (a worked test runs it on a copy of
+    the files changed as the README says); -> the names of the parameters it compared."""
     ref, fused = tiny_pair(randomize=False, **kw)
     names = sorted({n.split(".", 2)[2] for n, _ in ref.named_parameters() if n.startswith("routes.")})
     assert {"q", "g"} <= set(names) and (kw["residual"] != "delta" or {"null", "alpha"} <= set(names)), names
@@ -569,6 +575,7 @@ def test_every_routing_parameter_is_checked_fused_against_reference(kw):
         assert not missing, (name, "no gradient reaches", missing[:3])
         ref_grad, fused_grad = (torch.cat([o[1][k].flatten() for k in keys]).double() for o in outs)
         assert ref_grad.abs().max() > 0 and rel_err(fused_grad, ref_grad) < 1e-4, (name, rel_err(fused_grad, ref_grad))
+    return names
 
 
 def assert_backward_repeats_bitwise(model, idx):
@@ -1103,6 +1110,37 @@ def test_changing_the_logit_as_the_readme_says(tmp_path):
     tripled = scope["chain"](lambda s, q, g, H: route_reference(s, 3 * q, g, H), 7, 2)
     unchanged = scope["chain"](route_reference, 7, 2)
     assert (copied[0] - tripled[0]).abs().max() < 1e-4 * tripled[0].abs().max() < (copied[0] - unchanged[0]).abs().max()
+
+
+# The README's learned per-head temperature: one place, Route, whose gain() every path takes (no kernel edit)
+LEARNED_TEMPERATURE = [
+    ("        self.g = nn.Parameter(torch.ones(dim))\n",
+     "        self.g = nn.Parameter(torch.ones(dim))\n        self.temp = nn.Parameter(torch.ones(heads))   # per head\n"),
+    ("        return self.g if self.scale == 1.0 else self.g * self.scale\n",
+     "        return (self.g if self.scale == 1.0 else self.g * self.scale) * self.temp.repeat_interleave(\n"
+     "            self.g.numel() // self.heads)\n")]
+
+
+def test_a_learned_temperature_as_the_readme_says(tmp_path):
+    """README "Changing the routing": a learned per-head temperature made as it says, in Route alone (two edits of a
+    copy of model.py), and the every-parameter check run on the copy in every routed mode: the new parameter is found
+    without naming it, and its gradient, like every other, is the reference's in the fused paths."""
+    for name in export.model_modules():
+        shutil.copy(os.path.join(HERE, name + ".py"), tmp_path)
+    text = (tmp_path / "model.py").read_text()
+    for old, new in LEARNED_TEMPERATURE:
+        assert text.count(old) == 1, f"model.py no longer holds {old.strip()!r}: update the README's guide and this test"
+        text = text.replace(old, new)
+    (tmp_path / "model.py").write_text(text)
+    run = (f"import sys; sys.path[:0] = [{str(tmp_path)!r}]; sys.path += [{HERE!r}, {os.path.join(HERE, 'tests')!r}]\n"
+           "import test_mhar\n"
+           "for kw in ({'residual': 'attnres'}, {'residual': 'mhar', 'route_heads': 2}, {'residual': 'mhar', "
+           "'route_heads': 2, 'route_blocks': 2}, {'residual': 'delta', 'route_heads': 2, 'num_blocks': 2}):\n"
+           "    print(test_mhar.check_every_routing_parameter(kw))\n")
+    r = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1" if DEVICE == "cpu" else "0"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("'temp'") == 4, r.stdout
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
