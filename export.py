@@ -207,22 +207,21 @@ def package_relative(text, modules):
 
 # loads an exported folder as whoever downloads it does: transformers alone, no repository on the path
 LOAD_ELSEWHERE = """
-import sys, torch
+import os, signal, sys
+try:   # Linux: this process ends when export.py does, however it ends (a SIGKILL too), not left running
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[5]):   # export.py ended before that took hold
+    sys.exit(1)
+import torch
 from transformers import AutoModelForCausalLM
 folder, work, device, remote = sys.argv[1:5]
 hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote == "1", dtype=torch.float32)
 with torch.no_grad():
     torch.save(hf.to(device).eval()(torch.load(work + "/idx.pt").to(device)).logits.float().cpu(), work + "/logits.pt")
 """
-
-
-def ends_with_parent():
-    """Linux: the check's process is killed when export.py ends, however it ends (a SIGKILL too), not left running."""
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def check(folder, model, remote, device, n_tokens=32):
@@ -236,8 +235,7 @@ def check(folder, model, remote, device, n_tokens=32):
     with tempfile.TemporaryDirectory() as work:
         torch.save(idx, os.path.join(work, "idx.pt"))
         r = subprocess.run([sys.executable, "-I", "-c", LOAD_ELSEWHERE, os.path.abspath(folder), work, device,
-                            str(int(remote))], cwd=work, capture_output=True, text=True,
-                           preexec_fn=ends_with_parent if sys.platform == "linux" else None)
+                            str(int(remote)), str(os.getpid())], cwd=work, capture_output=True, text=True)
         if r.returncode:
             last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise ValueError(f"the exported folder does not load in a process outside this repository ({last}); "
