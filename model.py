@@ -234,15 +234,24 @@ class Block(nn.Module):
 # depth mixture, with the parameters of one head (section 2.3, property i). q = 0 gives the uniform mean over the
 # sources, the additive residual stream divided by N: after the next RMSNorm, the baseline's function.
 
+def route_logit(r, dot, n, count):
+    """A pair's routing logit (paper Eq. 2): the source's RMS factor r times the head's <q g, s> (dot), so the key is
+    RMSNorm(s) * g and there is no temperature. n is the source's place among the site's `count` sources (0 the oldest:
+    the embedding, or the null source in delta mode; count - 1 the newest). The fused kernels' twin is
+    routing_call._logit, with its gradient in _logit_grad (README: "Changing the routing")."""
+    return r * dot
+
+
 def route_reference(sources, q, g, n_heads, eps=1e-6, return_alpha=False):
     """The specification of MHAR routing. sources: (N, B, T, d) -> out (B, T, d) in the sources' dtype.
     With return_alpha, also the softmax weights alpha: (N, B, T, H), fp32. Math in fp32."""
     N, B, T, d = sources.shape
     s = sources.float()
-    r = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)             # (N, B, T, 1) RMS factor, full width
-    keys = (s * r * g.float()).view(N, B, T, n_heads, d // n_heads)    # RMSNorm(s_n) * g, split into heads
-    logits = (keys * q.float().view(n_heads, d // n_heads)).sum(-1)    # (N, B, T, H), no temperature
-    alpha = torch.softmax(logits, dim=0)                               # softmax over sources, per head
+    r = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)               # (N, B, T, 1) RMS factor, full width
+    dot = (s * (q.float() * g.float())).view(N, B, T, n_heads, d // n_heads).sum(-1)   # (N, B, T, H) <q g, s> per head
+    n = torch.arange(N, device=s.device).view(N, 1, 1, 1)                # each source's place, the oldest 0
+    logits = route_logit(r, dot, n, N)                                   # (N, B, T, H)
+    alpha = torch.softmax(logits, dim=0)                                 # softmax over sources, per head
     out = (alpha.unsqueeze(-1) * s.view(N, B, T, n_heads, d // n_heads)).sum(0)  # values: raw sources
     out = out.reshape(B, T, d).to(sources.dtype)
     return (out, alpha) if return_alpha else out

@@ -69,9 +69,10 @@ if triton is not None:
         return (q_a * g_a)[None, :, :], (q_b * g_b)[None, :, :], woff_a, wmask_a, woff_b, wmask_b
 
     @triton.jit
-    def _mix(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, SPLIT: tl.constexpr):
-        """One source into the online softmax of every head: running max, denominator and mix ([BLOCK_M, BH, part])."""
-        m_i, l_i, scale, p = _softmax_update(m_i, l_i, _logit(r[:, None], _dot2(s_a, w_a, s_b, w_b, SPLIT)))
+    def _mix(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, n, count, SPLIT: tl.constexpr):
+        """Source n of count into the online softmax of every head: running max, denominator and mix ([BLOCK_M, BH,
+        part])."""
+        m_i, l_i, scale, p = _softmax_update(m_i, l_i, _logit(r[:, None], _dot2(s_a, w_a, s_b, w_b, SPLIT), n, count))
         acc_a = acc_a * scale[:, :, None] + p[:, :, None] * s_a
         if SPLIT:
             acc_b = acc_b * scale[:, :, None] + p[:, :, None] * s_b
@@ -114,8 +115,9 @@ if triton is not None:
         for n in tl.range(0, count - 1, num_stages=STAGES):
             s_a, s_b = _load(X, n * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
             m_i, l_i, acc_a, acc_b = _mix(m_i, l_i, acc_a, acc_b, s_a, s_b,
-                                          tl.load(R + n * M64 + rows64, mask=rmask, other=0.0), w_a, w_b, SPLIT)
-        m_i, l_i, acc_a, acc_b = _mix(m_i, l_i, acc_a, acc_b, x_a, x_b, r_new, w_a, w_b, SPLIT)
+                                          tl.load(R + n * M64 + rows64, mask=rmask, other=0.0), w_a, w_b, n, count,
+                                          SPLIT)
+        m_i, l_i, acc_a, acc_b = _mix(m_i, l_i, acc_a, acc_b, x_a, x_b, r_new, w_a, w_b, count - 1, count, SPLIT)
         inv = (1.0 / l_i)[:, :, None]
         tl.store(OUT + off_a, _rounded(acc_a * inv, OUT.dtype.element_ty), mask=mask_a)
         if SPLIT:
@@ -123,12 +125,13 @@ if triton is not None:
         tl.store(LSE + j * H * M64 + hoff, m_i + tl.log(l_i), mask=hmask)
 
     @triton.jit
-    def _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b, mask_b, w_a, w_b, g_a, g_b, lse,
+    def _pair_terms(X, R, slot, n, count, M64, rows64, rmask, off_a, mask_a, off_b, mask_b, w_a, w_b, g_a, g_b, lse,
                     DM: tl.constexpr, SPLIT: tl.constexpr):
-        """Source `slot` of a site (both parts, fp32), its RMS factor, and per head its logit, alpha and da."""
+        """Source n of a site's count, in `slot` (both parts, fp32), its RMS factor, and per head its logit, alpha and
+        da."""
         s_a, s_b = _load(X, slot * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
         r = tl.load(R + slot * M64 + rows64, mask=rmask, other=0.0)
-        logit = _logit(r[:, None], _dot2(s_a, w_a, s_b, w_b, SPLIT))
+        logit = _logit(r[:, None], _dot2(s_a, w_a, s_b, w_b, SPLIT), n, count)
         return s_a, s_b, r, logit, tl.exp(logit - lse), _dot2(g_a, s_a, g_b, s_b, SPLIT)
 
     @triton.jit
@@ -162,14 +165,14 @@ if triton is not None:
             c = tl.zeros((BLOCK_M, BH), tl.float32)
             for n in tl.range(0, count, num_stages=STAGES):   # c = sum_n alpha da, per token and head
                 slot = n + (last - n) * (n == count - 1)
-                s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b,
-                                                            mask_b, w_a, w_b, g_a, g_b, lse, DM, SPLIT)
+                s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, n, count, M64, rows64, rmask, off_a, mask_a,
+                                                            off_b, mask_b, w_a, w_b, g_a, g_b, lse, DM, SPLIT)
                 c += alpha * da
             for n in tl.range(0, count, num_stages=STAGES):   # ds_n = alpha G + r dlogit w - (r^2 / d) K s_n
                 slot = n + (last - n) * (n == count - 1)
-                s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, M64, rows64, rmask, off_a, mask_a, off_b,
-                                                            mask_b, w_a, w_b, g_a, g_b, lse, DM, SPLIT)
-                d_dot, d_rms = _logit_grad(alpha * (da - c), r[:, None], logit)
+                s_a, s_b, r, logit, alpha, da = _pair_terms(X, R, slot, n, count, M64, rows64, rmask, off_a, mask_a,
+                                                            off_b, mask_b, w_a, w_b, g_a, g_b, lse, DM, SPLIT)
+                d_dot, d_rms = _logit_grad(alpha * (da - c), r[:, None], logit, n, count)
                 rdl = d_dot[:, :, None]
                 kr = (r * r * tl.sum(d_rms, axis=1) * inv_dm)[:, None, None]
                 _add_grad(DB, GO, n * M64 * DM, alpha[:, :, None] * g_a + rdl * w_a - kr * s_a, off_a, mask_a, ACCUM,

@@ -72,21 +72,24 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
         s = tl.load(S + (n * M).to(tl.int64) * DM + tile, mask=mask, other=0.0).to(tl.float32)
         return s, tl.load(R + (n * M).to(tl.int64) + rows64, mask=rmask, other=0.0)
 
-    # -- the routing math, once. Every kernel (here, routing_kernel.py, routing_block.py) makes a pair's logit with
+    # -- the routing math, once. Every kernel (here, routing_kernel.py, routing_block.py) makes every pair's logit with
     # _logit, steps its online softmax with _softmax_update and carries the logit's gradient to the query and the source
-    # with _logit_grad: a change to the logit is made here and in model.route_reference (README: "Changing the routing")
+    # with _logit_grad, each told which source it scores: a change to the logit is made here and in model.route_logit,
+    # its twin in the reference (README: "Changing the routing")
 
     @triton.jit
-    def _logit(r, dot):
+    def _logit(r, dot, n, count):
         """A pair's routing logit from its source's RMS factor r and the head's dot product dot = <w[h], s[h]> (w = q g,
-        the key gain folded into the query): r <w, s>, no temperature (paper Eq. 2). Any shapes that broadcast."""
+        the key gain folded into the query): r <w, s>, no temperature (paper Eq. 2). n is the source's place among the
+        site's `count` sources (0 the oldest: the embedding, or the null source first in delta mode; count - 1 the
+        newest), as model.route_logit numbers them. Any shapes that broadcast."""
         return r * dot
 
     @triton.jit
-    def _logit_grad(dlogit, r, logit):
+    def _logit_grad(dlogit, r, logit, n, count):
         """The logit's gradient dlogit carried to _logit's inputs: (dlogit d logit / d dot, dlogit r d logit / dr). The
         first is what dw gets times s and ds times w; the second, summed over heads (K), gives ds's RMS term -(r^2 / d)
-        K s (d r / d s = -(r^3 / d) s). For r <w, s>: (dlogit r, dlogit logit)."""
+        K s (d r / d s = -(r^3 / d) s). For r <w, s>: (dlogit r, dlogit logit). n, count: as _logit's."""
         return dlogit * r, dlogit * logit
 
     @triton.jit
@@ -150,9 +153,10 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
         return s, r
 
     @triton.jit
-    def _online_softmax_step(m_i, l_i, acc, s, r, w):
-        """Add source s (tile, fp32) with RMS factor r to the running max m_i, denominator l_i and mix acc."""
-        m_i, l_i, scale, p = _softmax_update(m_i, l_i, _logit(r, tl.sum(s * w[None, :], axis=1)))
+    def _online_softmax_step(m_i, l_i, acc, s, r, w, n, count):
+        """Add source s (tile, fp32; the n-th of count) with RMS factor r to the running max m_i, denominator l_i and
+        mix acc."""
+        m_i, l_i, scale, p = _softmax_update(m_i, l_i, _logit(r, tl.sum(s * w[None, :], axis=1), n, count))
         return m_i, l_i, acc * scale[:, None] + p[:, None] * s
 
     @triton.jit
@@ -170,23 +174,23 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         if HAS_NULL:
             s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w, 0, N + 1)
         for n in tl.range(0, N, num_stages=STAGES):   # each source tile is read once
             s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, r, w, n + HAS_NULL, N + HAS_NULL)
         tl.store(OUT + tile, _rounded(acc / l_i[:, None], OUT.dtype.element_ty), mask=mask)
         tl.store(LSE + h.to(tl.int64) * M + rows64, m_i + tl.log(l_i), mask=rmask)
 
     @triton.jit
-    def _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG, off, rmask):
-        """One source of the backward site pass: accumulate c, P, Q; store da and the logit."""
-        logit = _logit(r, tl.sum(s * w[None, :], axis=1))
+    def _call_pass_step(c, acc_p, acc_q, s, r, w, n, count, g_up, lse, DA, LG, off, rmask):
+        """One source of the backward site pass (the n-th of count): accumulate c, P, Q; store da and the logit."""
+        logit = _logit(r, tl.sum(s * w[None, :], axis=1), n, count)
         alpha, da = tl.exp(logit - lse), tl.sum(g_up * s, axis=1)
         tl.store(DA + off, da, mask=rmask)
         tl.store(LG + off, logit, mask=rmask)
         # dlogit = alpha da - alpha c, and c is known only after the last source: both parts' terms, each linear in it
-        p, _ = _logit_grad(alpha * da, r, logit)
-        q, _ = _logit_grad(alpha, r, logit)
+        p, _ = _logit_grad(alpha * da, r, logit, n, count)
+        q, _ = _logit_grad(alpha, r, logit, n, count)
         return c + alpha * da, acc_p + p[:, None] * s, acc_q + q[:, None] * s
 
     @triton.jit
@@ -206,24 +210,25 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
             tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         if HAS_NULL:
             s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
-            c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG, h.to(tl.int64) * M + rows64,
-                                              rmask)
+            c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, 0, N + 1, g_up, lse, DA, LG,
+                                              h.to(tl.int64) * M + rows64, rmask)
         for n in tl.range(0, N, num_stages=STAGES):
             s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
-            c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, g_up, lse, DA, LG,
+            c, acc_p, acc_q = _call_pass_step(c, acc_p, acc_q, s, r, w, n + HAS_NULL, N + HAS_NULL, g_up, lse, DA, LG,
                                               ((n + HAS_NULL) * H + h).to(tl.int64) * M + rows64, rmask)
         tl.store(C + h.to(tl.int64) * M + rows64, c, mask=rmask)
         tl.store(PART + pm.to(tl.int64) * DM + h * D + cols, tl.sum(acc_p - c[:, None] * acc_q, axis=0), mask=cmask)
 
     @triton.jit
-    def _call_source_grad(s, r, g_up, w, n, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm,
+    def _call_source_grad(s, r, g_up, w, n, count, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm,
                           H: tl.constexpr):
-        """ds of one source: alpha G + r dlogit w - (r^2 / d) K s, K = sum_h dlogit logit (all heads; _logit_grad)."""
+        """ds of source n of count: alpha G + r dlogit w - (r^2 / d) K s, K = sum_h dlogit logit (all heads;
+        _logit_grad)."""
         off = ((n * H + heads[:, None]) * M).to(tl.int64) + rows64[None, :]
         lg = tl.load(LG + off, mask=hmask, other=0.0)
         alpha = tl.exp(lg - lse_all)
         dlogit = alpha * (tl.load(DA + off, mask=hmask, other=0.0) - c_all)
-        d_dot, d_rms = _logit_grad(dlogit, r[None, :], lg)
+        d_dot, d_rms = _logit_grad(dlogit, r[None, :], lg, n, count)
         k, a_h, dd_h = tl.sum(d_rms, axis=0), tl.sum(tl.where(own, alpha, 0.0), axis=0), \
             tl.sum(tl.where(own, d_dot, 0.0), axis=0)
         return a_h[:, None] * g_up + dd_h[:, None] * w[None, :] - (r * r * k * inv_dm)[:, None] * s
@@ -245,12 +250,13 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
         lse_all, c_all = tl.load(LSE + hoff, mask=hmask, other=0.0), tl.load(C + hoff, mask=hmask, other=0.0)
         if HAS_NULL:
             s, r = _null_source(NULL, h, cols, cmask, eps, DM, D, BLOCK_M, BLOCK_D, BLOCK_C)
-            ds = _call_source_grad(s, r, g_up, w, 0, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M, inv_dm, H)
+            ds = _call_source_grad(s, r, g_up, w, 0, N + 1, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M,
+                                   inv_dm, H)
             tl.store(PARTNULL + pm.to(tl.int64) * DM + h * D + cols, tl.sum(tl.where(mask, ds, 0.0), axis=0), mask=cmask)
         for n in tl.range(0, N, num_stages=STAGES):
             s, r = _source(HIST, R, n, M, tile, mask, rows64, rmask, DM)
-            ds = _call_source_grad(s, r, g_up, w, n + HAS_NULL, DA, LG, lse_all, c_all, heads, hmask, own, rows64, M,
-                                   inv_dm, H)
+            ds = _call_source_grad(s, r, g_up, w, n + HAS_NULL, N + HAS_NULL, DA, LG, lse_all, c_all, heads, hmask,
+                                   own, rows64, M, inv_dm, H)
             tl.store(DHIST + (n * M).to(tl.int64) * DM + tile, _rounded(ds, DHIST.dtype.element_ty), mask=mask)
 
 

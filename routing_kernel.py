@@ -70,12 +70,13 @@ if triton is not None:
         return s_a, s_b, r
 
     @triton.jit
-    def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, LG, pair, h, M, rows64, rmask, H: tl.constexpr,
+    def _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, n, j, LG, h, M, rows64, rmask, H: tl.constexpr,
                   SPLIT: tl.constexpr, STORE_LOGITS: tl.constexpr):
-        """_online_softmax_step over one or two column parts; stores the logit r <w, s> as pair `pair` if STORE_LOGITS."""
-        logit = _logit(r, _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT))
+        """_online_softmax_step of site j (j sources) over one or two column parts for source n; stores the logit as
+        pair (j, n) if STORE_LOGITS."""
+        logit = _logit(r, _dot2(s_a, w_a[None, :], s_b, w_b[None, :], SPLIT), n, j)
         if STORE_LOGITS:
-            tl.store(LG + (pair * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
+            tl.store(LG + ((j * (j - 1) // 2 + n) * H + h).to(tl.int64) * M + rows64, logit, mask=rmask)
         m_i, l_i, scale, p = _softmax_update(m_i, l_i, logit)
         acc_a = acc_a * scale[:, None] + p[:, None] * s_a
         if SPLIT:
@@ -132,7 +133,6 @@ if triton is not None:
         SPLIT: tl.constexpr = BLOCK_B > 0
         h, pm, rows64, rmask = _rows(M, H, BLOCK_M)
         slot = (j - 1).to(tl.int64) * M * DM
-        pair0 = j * (j - 1) // 2   # pair (j, n) of head h: LG + ((pair0 + n) * H + h) * M
         # RMS factor of the newest source over the full width (every head program needs it)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
         for c0 in tl.static_range(0, DM, BLOCK_C):
@@ -170,8 +170,6 @@ if triton is not None:
             n0 = j - back
             m_i, l_i, acc_a, acc_b = _lead_state(PACC, PML, back - 1, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM,
                                                  H, SPLIT)
-        pair1 = pair0 + j   # pair (j+1, n) at pair1 + n, (j+2, n) at pair2 + n
-        pair2 = pair1 + j + 1
         m2, l2, acc2_a, acc2_b, w2_a, w2_b = m_i, l_i, acc_a, acc_b, w_a, w_b   # placeholders unless LEAD >= 1, 2
         m3, l3, acc3_a, acc3_b, w3_a, w3_b = m_i, l_i, acc_a, acc_b, w_a, w_b
         if LEAD >= 1:
@@ -183,26 +181,26 @@ if triton is not None:
         # -- end of read sharing setup
         for n in tl.range(n0, j - 1, num_stages=STAGES):
             s_a, s_b, r = _source_parts(S, R, n, M, tile_a, mask_a, tile_b, mask_b, rows64, rmask, DM, SPLIT)
-            m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, LG, pair0 + n, h, M,
+            m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, s_a, s_b, r, w_a, w_b, n, j, LG, h, M,
                                                rows64, rmask, H, SPLIT, STORE_LOGITS)
             if LEAD >= 1:   # read sharing: the same tile, the led sites' queries
-                m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, s_a, s_b, r, w2_a, w2_b, LG, pair1 + n, h,
+                m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, s_a, s_b, r, w2_a, w2_b, n, j + 1, LG, h,
                                                    M, rows64, rmask, H, SPLIT, STORE_LOGITS)
             if LEAD >= 2:
-                m3, l3, acc3_a, acc3_b = _mix_step(m3, l3, acc3_a, acc3_b, s_a, s_b, r, w3_a, w3_b, LG, pair2 + n,
+                m3, l3, acc3_a, acc3_b = _mix_step(m3, l3, acc3_a, acc3_b, s_a, s_b, r, w3_a, w3_b, n, j + 2, LG,
                                                    h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
         # (the newest source stays 16-bit until here: fp32 across the loop cost the 1B shape ~10 registers per thread,
         # one program per SM, and a slower forward)
         new_a, new_b = new_a.to(tl.float32), new_b.to(tl.float32)
-        m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a, new_b, r_new, w_a, w_b, LG, pair0 + j - 1, h, M,
+        m_i, l_i, acc_a, acc_b = _mix_step(m_i, l_i, acc_a, acc_b, new_a, new_b, r_new, w_a, w_b, j - 1, j, LG, h, M,
                                            rows64, rmask, H, SPLIT, STORE_LOGITS)
         if LEAD >= 1:   # read sharing: the led sites' states, handed to their launches
-            m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, new_a, new_b, r_new, w2_a, w2_b, LG, pair1 + j - 1,
+            m2, l2, acc2_a, acc2_b = _mix_step(m2, l2, acc2_a, acc2_b, new_a, new_b, r_new, w2_a, w2_b, j - 1, j + 1, LG,
                                                h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
             _hand_off(PACC, PML, 0, m2, l2, acc2_a, acc2_b, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM, H, SPLIT)
         if LEAD >= 2:
-            m3, l3, acc3_a, acc3_b = _mix_step(m3, l3, acc3_a, acc3_b, new_a, new_b, r_new, w3_a, w3_b, LG,
-                                               pair2 + j - 1, h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
+            m3, l3, acc3_a, acc3_b = _mix_step(m3, l3, acc3_a, acc3_b, new_a, new_b, r_new, w3_a, w3_b, j - 1, j + 2,
+                                               LG, h, M, rows64, rmask, H, SPLIT, STORE_LOGITS)
             _hand_off(PACC, PML, 1, m3, l3, acc3_a, acc3_b, ml, tile_a, mask_a, tile_b, mask_b, rmask, M, DM, H, SPLIT)
         tl.store(OUT + tile_a, _rounded(acc_a / l_i[:, None], OUT.dtype.element_ty), mask=mask_a)
         if SPLIT:
@@ -222,18 +220,18 @@ if triton is not None:
         return w_a[None, :, :], w_b[None, :, :]
 
     @triton.jit
-    def _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row, LG, lrow, hoff, hmask, M64,
+    def _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, n, jp, DLR, row, LG, hoff, hmask, M64,
               H: tl.constexpr, SPLIT: tl.constexpr, LOGITS_STORED: tl.constexpr):
         """Pair (site jp, source n): acc += alpha G + dlogit r_n w, k += sum_h dlogit logit; dlogit r_n stored as DLR row
         `row` (the dw product's operand). s, g: [BLOCK_M, BH, part] fp32 tiles, r: [BLOCK_M], c: [BLOCK_M, BH]. The logit
-        is recomputed, or with LOGITS_STORED loaded from the forward's row `lrow` of LG."""
+        is recomputed, or with LOGITS_STORED loaded from the forward's LG (pair (jp, n): row jp (jp - 1) / 2 + n)."""
         if LOGITS_STORED:
-            logit = tl.load(LG + lrow * H * M64 + hoff, mask=hmask, other=0.0)
+            logit = tl.load(LG + (jp * (jp - 1) // 2 + n) * H * M64 + hoff, mask=hmask, other=0.0)
         else:
-            logit = _logit(r[:, None], _dot2(s_a, w_a, s_b, w_b, SPLIT))
+            logit = _logit(r[:, None], _dot2(s_a, w_a, s_b, w_b, SPLIT), n, jp)
         alpha = tl.exp(logit - lse)
         dlogit = alpha * (_dot2(g_a, s_a, g_b, s_b, SPLIT) - c)
-        rdl, d_rms = _logit_grad(dlogit, r[:, None], logit)
+        rdl, d_rms = _logit_grad(dlogit, r[:, None], logit, n, jp)
         tl.store(DLR + row * H * M64 + hoff, rdl, mask=hmask)
         acc_a = acc_a + alpha[:, :, None] * g_a + rdl[:, :, None] * w_a
         if SPLIT:
@@ -298,22 +296,20 @@ if triton is not None:
         w_a, w_b = _site_w(W, j, woff_a, wmask_a, woff_b, wmask_b, DM, SPLIT)
         lse = tl.load(LSE + n * H * M64 + hoff, mask=hmask, other=0.0)   # site j's, from the forward
         tl.store(CL + n * M64 * 2 * H + toff, tl.join(c, lse), mask=tmask)   # for the gathers of older sources
-        site0 = j * (j - 1) // 2   # LG's first row of site j (of site jp in the loop: `site`)
-        acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + j, LG, site0 + n, hoff,
+        acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, n, j, DLR, row0 + j, LG, hoff,
                                 hmask, M64, H, SPLIT, LOGITS_STORED)
         if LEAD:
-            acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + j, LG,
-                                       site0 + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
+            acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, n - 1, j, DLR,
+                                       row2 + j, LG, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
         for jp in tl.range(j + 1, last + 1, num_stages=STAGES):   # every later site that reads source n
             g_a, g_b = _load(GB, (jp - 1) * M64 * DM, off_a, mask_a, off_b, mask_b, SPLIT)
             c, lse = tl.split(tl.load(CL + (jp - 1) * M64 * 2 * H + toff, mask=tmask, other=0.0))
             w_a, w_b = _site_w(W, jp, woff_a, wmask_a, woff_b, wmask_b, DM, SPLIT)
-            site = jp * (jp - 1) // 2
-            acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, DLR, row0 + jp, LG, site + n,
+            acc_a, acc_b, k = _pair(acc_a, acc_b, k, s_a, s_b, r, g_a, g_b, c, w_a, w_b, lse, n, jp, DLR, row0 + jp, LG,
                                     hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
             if LEAD:   # read sharing: the same gradient tile, the previous source
-                acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, DLR, row2 + jp, LG,
-                                           site + n - 1, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
+                acc2_a, acc2_b, k2 = _pair(acc2_a, acc2_b, k2, s2_a, s2_b, r2, g_a, g_b, c, w_a, w_b, lse, n - 1, jp, DLR,
+                                           row2 + jp, LG, hoff, hmask, M64, H, SPLIT, LOGITS_STORED)
         if LEAD:   # read sharing: source n-1's sums, handed to site j-1's gather
             tl.store(PACC + off_a, acc2_a, mask=mask_a)
             if SPLIT:

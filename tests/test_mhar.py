@@ -1029,12 +1029,32 @@ def test_fused_routing_traces_whole_under_torch_compile(kw):
         assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
-# The README's "Changing the routing", done in a copy of the model's files: the logit scaled by 3 where the README says
-CHANGE_LOGIT = {
-    "routing_call.py": [("        return r * dot\n", "        return 3.0 * r * dot\n"),
-                        ("        return dlogit * r, dlogit * logit\n", "        return dlogit * 3.0 * r, dlogit * logit\n")],
-    "model.py": [("    logits = (keys * q.float().view(n_heads, d // n_heads)).sum(-1)",
-                  "    logits = 3.0 * (keys * q.float().view(n_heads, d // n_heads)).sum(-1)")]}
+# The README's "Changing the routing", its examples done in a copy of the model's files: each edit (old, new) replaces
+# text that occurs once; python: the same logit in plain PyTorch, to check the change took
+CHANGES = {
+    "bias": {   # a fixed bias of 0.5 toward the newest source: _logit, _logit_grad (r d logit / dr = logit - the bias;
+        "edits": {"routing_call.py": [   # left as it was, every gradient is off by ~1%) and route_logit
+            ("        return r * dot\n", "        return r * dot + 0.5 * (n == count - 1)\n"),
+            ("        return dlogit * r, dlogit * logit\n", "        return dlogit * r, dlogit * (logit - 0.5 * (n == count - 1))\n")],
+                  "model.py": [("    return r * dot\n", "    return r * dot + 0.5 * (n == count - 1)\n")]},
+        "python": lambda r, dot, n, count: r * dot + 0.5 * (n == count - 1)},
+    "no_key_norm": {   # the raw <q g, s>, no RMS factor: _logit, _logit_grad (d logit / d dot = 1, none through r),
+        "edits": {"routing_call.py": [("        return r * dot\n", "        return dot\n"),   # and route_logit
+                                      ("        return dlogit * r, dlogit * logit\n", "        return dlogit, 0.0 * dlogit\n")],
+                  "model.py": [("    return r * dot\n", "    return dot\n")]},
+        "python": lambda r, dot, n, count: dot + 0.0 * r}}
+
+
+def edited_copy(tmp_path, edits):
+    """The model's files (export.model_modules) copied to tmp_path, with `edits` made as CHANGES holds them."""
+    for name in export.model_modules():
+        shutil.copy(os.path.join(HERE, name + ".py"), tmp_path)
+    for name, pairs in edits.items():
+        text = (tmp_path / name).read_text()
+        for old, new in pairs:   # the expected failure once the routing itself is changed: edit a copy of the original
+            assert text.count(old) == 1, f"{name} no longer holds {old.strip()!r}: update the README's guide and this test"
+            text = text.replace(old, new)
+        (tmp_path / name).write_text(text)
 
 
 ROUTED_CHAIN = """
@@ -1076,40 +1096,40 @@ for N, H, blocks in ((5, 1, None), (7, 2, None), (5, 4, 2)):
     torch.save([t.cpu() for t in fused], f"fused_{N}_{H}.pt")
 s = torch.randn(4, 2, 5, 96, device=device).requires_grad_(True)
 q, gain = (torch.randn(96, device=device) * 0.5).requires_grad_(True), torch.ones(96, device=device)
-for route in (route_stack, route_reference):
-    out = route(s, q, gain, 2, 1e-6)
-    out.backward(torch.ones_like(out))
-    if route is route_stack:
-        first, s.grad, grad_q = out.detach(), None, q.grad.clone()
-        q.grad = None
-errs += [rel(first, out), rel(grad_q, q.grad)]
+null = (torch.randn(96, device=device) * 0.5).requires_grad_(True)   # delta mode's null source: the first of five
+for null_ in (None, null):   # the per-call kernels, with and without the null source, against the reference
+    grads = []
+    for route in (route_stack, route_reference):
+        if route is route_stack:
+            out = route_stack(s, q, gain, 2, 1e-6, null=null_)
+        else:
+            out = route_reference(s if null_ is None else torch.cat([null_.expand(1, 2, 5, 96), s]), q, gain, 2, 1e-6)
+        out.backward(torch.ones_like(out))
+        grads.append([out.detach()] + [t.grad.clone() for t in (s, q) + ((null,) if null_ is not None else ())])
+        s.grad = q.grad = null.grad = None
+    errs += [rel(a, b) for a, b in zip(*grads)]
 print("worst relative difference", max(errs) if all(e == e for e in errs) else float("nan"))   # NaN never hides
 """
 
 
-def test_changing_the_logit_as_the_readme_says(tmp_path):
-    """README "Changing the routing", done as it says in a copy of the model's files (export.model_modules): the logit
-    scaled by 3 in routing_call.py's _logit and _logit_grad and in model.route_reference. In the copy the fused chain,
-    block routing and the per-call kernels still equal the reference, output and every gradient (fp32, 1e-4 of the
-    largest), and the change took (the output moved from the unchanged routing's)."""
-    for name in export.model_modules():
-        shutil.copy(os.path.join(HERE, name + ".py"), tmp_path)
-    for name, edits in CHANGE_LOGIT.items():
-        text = (tmp_path / name).read_text()
-        for old, new in edits:
-            assert text.count(old) == 1, f"{name} no longer holds {old.strip()!r}: update the README's guide and this test"
-            text = text.replace(old, new)
-        (tmp_path / name).write_text(text)
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_changing_the_logit_as_the_readme_says(tmp_path, monkeypatch, change):
+    """README "Changing the routing": its examples of a logit change (a bias toward the newest source, no key norm:
+    three places each), each made as it says in a copy of the model's files. In the copy the fused chain, block routing
+    and the per-call kernels (with and without delta's null source) still equal the reference, output and every
+    gradient (fp32, 1e-4 of the largest), and the change took: the copy's output is this repository's reference with
+    the changed route_logit, not the unchanged routing's."""
+    edited_copy(tmp_path, CHANGES[change]["edits"])
     r = subprocess.run([sys.executable, "-c", CHANGED_ROUTING, DEVICE], cwd=tmp_path, capture_output=True, text=True,
                        env={**os.environ, "TRITON_INTERPRET": "1" if DEVICE == "cpu" else "0"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert float(r.stdout.split()[-1]) < 1e-4, r.stdout
-    scope = {"device": "cpu"}   # the change took: the copy's fused chain is this repository's routing with 3 q
+    scope = {"device": "cpu"}
     exec(ROUTED_CHAIN, scope)
-    copied = torch.load(tmp_path / "fused_7_2.pt")
-    tripled = scope["chain"](lambda s, q, g, H: route_reference(s, 3 * q, g, H), 7, 2)
-    unchanged = scope["chain"](route_reference, 7, 2)
-    assert (copied[0] - tripled[0]).abs().max() < 1e-4 * tripled[0].abs().max() < (copied[0] - unchanged[0]).abs().max()
+    copied, unchanged = torch.load(tmp_path / "fused_7_2.pt"), scope["chain"](route_reference, 7, 2)
+    monkeypatch.setattr("model.route_logit", CHANGES[change]["python"])   # route_reference reads it when called
+    changed = scope["chain"](route_reference, 7, 2)
+    assert (copied[0] - changed[0]).abs().max() < 1e-4 * changed[0].abs().max() < (copied[0] - unchanged[0]).abs().max()
 
 
 # The README's learned per-head temperature: one place, Route, whose gain() every path takes (no kernel edit)
@@ -1125,13 +1145,7 @@ def test_a_learned_temperature_as_the_readme_says(tmp_path):
     """README "Changing the routing": a learned per-head temperature made as it says, in Route alone (two edits of a
     copy of model.py), and the every-parameter check run on the copy in every routed mode: the new parameter is found
     without naming it, and its gradient, like every other, is the reference's in the fused paths."""
-    for name in export.model_modules():
-        shutil.copy(os.path.join(HERE, name + ".py"), tmp_path)
-    text = (tmp_path / "model.py").read_text()
-    for old, new in LEARNED_TEMPERATURE:
-        assert text.count(old) == 1, f"model.py no longer holds {old.strip()!r}: update the README's guide and this test"
-        text = text.replace(old, new)
-    (tmp_path / "model.py").write_text(text)
+    edited_copy(tmp_path, {"model.py": LEARNED_TEMPERATURE})
     run = (f"import sys; sys.path[:0] = [{str(tmp_path)!r}]; sys.path += [{HERE!r}, {os.path.join(HERE, 'tests')!r}]\n"
            "import test_mhar\n"
            "for kw in ({'residual': 'attnres'}, {'residual': 'mhar', 'route_heads': 2}, {'residual': 'mhar', "
