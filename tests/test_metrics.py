@@ -140,7 +140,7 @@ class PeakLiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 def test_routing_statistics_stay_within_the_fused_source_buffer():
     """The eval's routing statistics (metrics.routing_statistics) run the reference routing in pieces of the microbatch:
     what they hold at once stays under the fused chain's source buffer of the whole microbatch (N x B x T x d elements,
-    which a training step holds), where one forward of the whole microbatch with the weights recorded holds 4x more; the
+    which a training step holds), where one forward of the whole microbatch with the weights recorded holds 3x more; the
     statistics and the loss equal that forward's."""
     torch.manual_seed(0)
     model = GPT(tiny_cfg(residual="mhar", route_heads=2, n_layer=6)).eval()
@@ -154,7 +154,7 @@ def test_routing_statistics_stay_within_the_fused_source_buffer():
         with torch.no_grad(), PeakLiveBytes(skip) as mode:
             results[name] = run()
         peaks[name] = mode.peak
-    assert peaks["pieces"] < buffer < peaks["whole"] / 4, (peaks, buffer)
+    assert peaks["pieces"] < buffer < peaks["whole"] / 3, (peaks, buffer)
     stats, loss_sum = results["pieces"]
     _, loss, alpha = results["whole"]
     whole = metrics.routing_stats([(a / y.numel(), b / y.numel()) for a, b in metrics.token_sums(alpha)])

@@ -1033,7 +1033,7 @@ def test_fused_routing_traces_whole_under_torch_compile(kw):
 # text that occurs once; python: the same logit in plain PyTorch, to check the change took
 CHANGES = {
     "bias": {   # a fixed bias of 0.5 toward the newest source: _logit, _logit_grad (r d logit / dr = logit - the bias;
-        "edits": {"routing_call.py": [   # left as it was, every gradient is off by ~1%) and route_logit
+        "edits": {"routing_call.py": [   # left as it was, the gradients are off by up to ~1%) and route_logit
             ("        return r * dot\n", "        return r * dot + 0.5 * (n == count - 1)\n"),
             ("        return dlogit * r, dlogit * logit\n", "        return dlogit * r, dlogit * (logit - 0.5 * (n == count - 1))\n")],
                   "model.py": [("    return r * dot\n", "    return r * dot + 0.5 * (n == count - 1)\n")]},
