@@ -82,8 +82,16 @@ def announce(config, d, heads):
     if not (torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank()):
         diff = ", ".join(f"{f.name}={getattr(config, f.name)}" for f in fields(config)
                          if f.name != "name" and getattr(config, f.name) != getattr(DEFAULT, f.name))
-        print(f"fused routing (d={d}, H={heads}): launch config {config.name!r}" + (f" ({diff})" if diff else ""),
-              file=sys.stderr, flush=True)
+        print(f"fused routing (d={d}, H={heads}): launch config {config.name!r}" + (f" ({diff})" if diff else "")
+              + _other_card(config), file=sys.stderr, flush=True)
+
+
+def _other_card(config):
+    """Said when a width's H200 entry runs on another GPU: the table is the H200's, the card was seen for what it is."""
+    if not config.name.startswith("H200") or INTERPRET or not torch.cuda.is_available():
+        return ""
+    gpu = torch.cuda.get_device_name()
+    return "" if "H200" in gpu else f"; the H200's table on this {gpu}, which has no table of its own"
 
 
 def op_namespace(module, home, op):

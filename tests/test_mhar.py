@@ -708,6 +708,18 @@ def test_fused_routing_announces_its_config():
     assert "launch config 'H200 d=512 H=4'" in lines[1] and "fwd_lead_sites=2" in lines[1]
 
 
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_the_launch_line_names_the_card_of_its_table(monkeypatch, capsys, gpu):
+    """A tuned width on a GPU that is not an H200 says that the table it runs is the H200's (not a wrong detection)."""
+    monkeypatch.setattr(rc, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    rc.announce.__wrapped__(rc.config_for(512, 4), 512, 4)
+    line = capsys.readouterr().err
+    assert "launch config 'H200 d=512 H=4'" in line
+    assert ("the H200's table on this NVIDIA H100 80GB HBM3, which has no table of its own" in line) == ("H100" in gpu)
+
+
 def led_outputs(N, dtype, config):
     """The routed output of an N-site chain (B 2, T 19, d 112, H 4, tanh sublayers), same inputs, with `config` in
     training and under no_grad, and with no site leading; and the first run's chain."""
