@@ -7,7 +7,7 @@
 # --cuda_graph=False), as FSDP and --cuda_graph=False training do. Part (4), the direct launcher on and off in one
 # tree (launcher_h100.*), ran at 0df7054, the last tree with the launcher: `git show 0df7054:results/redesign4/ab.py`.
 #   python results/redesign4/ab.py BEFORE_DIR OUT.json [--rounds=R] [--skip-bitwise] [--skip-chain] [--skip-trees]
-#       [--eager] [SCALE ...]
+#       [--eager] [--widths=DxH,...] [SCALE ...]   (--widths: part 1 at these widths only, e.g. several processes at once)
 import importlib
 import json
 import os
@@ -48,6 +48,8 @@ DEPTH = {512: 12, 768: 12, 1024: 24, 1280: 36, 2048: 36}
 
 # (1) bitwise: the same inputs through both trees' chains
 widths = list(after["routing_config"].TUNED_H200) + [(512, 8), (2048, 16)]
+pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--widths=")), None)   # e.g. --widths=512x4,768x1
+widths = [tuple(int(x) for x in w.split("x")) for w in pick.split(",")] if pick else widths
 for d, H in ([] if "--skip-bitwise" in sys.argv else widths):
     for dtype in (torch.bfloat16, torch.float32):
         for blocks in (None, 8):
