@@ -238,7 +238,7 @@ def route_logit(r, dot, n, count):
     """A pair's routing logit (paper Eq. 2): the source's RMS factor r times the head's <q g, s> (dot), so the key is
     RMSNorm(s) * g and there is no temperature. n is the source's place among the site's `count` sources (0 the oldest:
     the embedding, or the null source in delta mode; count - 1 the newest). The fused kernels' twin is
-    routing_call._logit, with its gradient in _logit_grad (README: "Changing the routing")."""
+    routing_call._logit, with its gradient in _logit_grad (ROUTING.md)."""
     return r * dot
 
 

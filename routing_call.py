@@ -75,7 +75,7 @@ if triton is not None:   # the helpers every kernel file uses, then rung 1's ker
     # -- the routing math, once. Every kernel (here, routing_kernel.py, routing_block.py) makes every pair's logit with
     # _logit, steps its online softmax with _softmax_update and carries the logit's gradient to the query and the source
     # with _logit_grad, each told which source it scores: a change to the logit is made here and in model.route_logit,
-    # its twin in the reference (README: "Changing the routing")
+    # its twin in the reference (ROUTING.md)
 
     @triton.jit
     def _logit(r, dot, n, count):

@@ -18,6 +18,7 @@ import checkpoint
 import convert
 import eval as evaluate
 import export
+import hub
 from support import (HERE, HF_CONFIGS, launch_env, refusal, run_train, together, write_hf_checkpoint,
                      write_tiny_tokenizer)
 
@@ -176,7 +177,7 @@ def test_export_scores_in_lm_eval_as_eval_py(exported, eval_root):
 def test_export_shards_its_weights(exported, tmp_path, monkeypatch):
     """Weights above the shard size go to several safetensors files with transformers' index (export.py's check then
     loads them back through it: the logits still match)."""
-    monkeypatch.setattr(export, "SHARD_BYTES", 200_000)
+    monkeypatch.setattr(hub, "SHARD_BYTES", 200_000)
     out = tmp_path / "sharded"
     export.main([f"--out_dir={exported['mhar'][0]}", f"--hf_dir={out}"])
     index = json.load(open(out / "model.safetensors.index.json"))

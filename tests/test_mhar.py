@@ -552,7 +552,7 @@ def test_every_routing_parameter_is_checked_fused_against_reference(kw):
 
 def check_every_routing_parameter(kw):
     """test_every_routing_parameter_is_checked_fused_against_reference's check (a worked test runs it on a copy of
-    the files changed as the README says); -> the names of the parameters it compared."""
+    the files changed as ROUTING.md says); -> the names of the parameters it compared."""
     ref, fused = tiny_pair(randomize=False, **kw)
     names = sorted({n.split(".", 2)[2] for n, _ in ref.named_parameters() if n.startswith("routes.")})
     assert {"q", "g"} <= set(names) and (kw["residual"] != "delta" or {"null", "alpha"} <= set(names)), names
@@ -1041,7 +1041,7 @@ def test_fused_routing_traces_whole_under_torch_compile(kw):
         assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
-# The README's "Changing the routing", its examples done in a copy of the model's files: each edit (old, new) replaces
+# ROUTING.md's examples, done in a copy of the model's files: each edit (old, new) replaces
 # text that occurs once; python: the same logit in plain PyTorch, to check the change took
 CHANGES = {
     "bias": {   # a fixed bias of 0.5 toward the newest source: _logit, _logit_grad (r d logit / dr = logit - the bias;
@@ -1064,7 +1064,7 @@ def edited_copy(tmp_path, edits):
     for name, pairs in edits.items():
         text = (tmp_path / name).read_text()
         for old, new in pairs:   # the expected failure once the routing itself is changed: edit a copy of the original
-            assert text.count(old) == 1, f"{name} no longer holds {old.strip()!r}: update the README's guide and this test"
+            assert text.count(old) == 1, f"{name} no longer holds {old.strip()!r}: update ROUTING.md and this test"
             text = text.replace(old, new)
         (tmp_path / name).write_text(text)
 
@@ -1126,7 +1126,7 @@ print("worst relative difference", max(errs) if all(e == e for e in errs) else f
 
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_changing_the_logit_as_the_readme_says(tmp_path, monkeypatch, change):
-    """README "Changing the routing": its examples of a logit change (a bias toward the newest source, no key norm:
+    """ROUTING.md: its examples of a logit change (a bias toward the newest source, no key norm:
     three places each), each made as it says in a copy of the model's files. In the copy the fused chain, block routing
     and the per-call kernels (with and without delta's null source) still equal the reference, output and every
     gradient (fp32, 1e-4 of the largest), and the change took: the copy's output is this repository's reference with
@@ -1144,7 +1144,7 @@ def test_changing_the_logit_as_the_readme_says(tmp_path, monkeypatch, change):
     assert (copied[0] - changed[0]).abs().max() < 1e-4 * changed[0].abs().max() < (copied[0] - unchanged[0]).abs().max()
 
 
-# The README's learned per-head temperature: one place, Route, whose gain() every path takes (no kernel edit)
+# ROUTING.md's learned per-head temperature: one place, Route, whose gain() every path takes (no kernel edit)
 LEARNED_TEMPERATURE = [
     ("        self.g = nn.Parameter(torch.ones(dim))\n",
      "        self.g = nn.Parameter(torch.ones(dim))\n        self.temp = nn.Parameter(torch.ones(heads))   # per head\n"),
@@ -1154,7 +1154,7 @@ LEARNED_TEMPERATURE = [
 
 
 def test_a_learned_temperature_as_the_readme_says(tmp_path):
-    """README "Changing the routing": a learned per-head temperature made as it says, in Route alone (two edits of a
+    """ROUTING.md: a learned per-head temperature made as it says, in Route alone (two edits of a
     copy of model.py), and the every-parameter check run on the copy in every routed mode: the new parameter is found
     without naming it, and its gradient, like every other, is the reference's in the fused paths."""
     edited_copy(tmp_path, {"model.py": LEARNED_TEMPERATURE})
