@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from checkpoint import load_model as checkpoint_model
 from common import PLOT_MARK, keeps_signals, run_script, write_atomic
 from metrics import read_log
+from model import route_logit
 from options import Count, Device, Parser, Path, Text
 from prepare_data import TokenData, check_files
 from tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer
@@ -415,16 +416,19 @@ def _matched_random(q, gen):
 
 def slice_kl(sources, q, g, slices, eps):
     """Mean over slices and tokens of KL(softmax of a slice's partial logits || softmax of the full logits),
-    for a one-head site: the full logit is the sum of the slice logits (route_reference's math)."""
+    for a one-head site. Both go through model.route_logit, a slice's with its own part of <q g, s>: with the paper's
+    logit the full logit is the sum of the slice logits (route_reference's math); a changed route_logit reaches the
+    probe too."""
     N, B, T, d = sources.shape
     if d % slices:
         raise ValueError(f"width {d} does not split into {slices} slices")
     s = sources.float()
-    keys = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * g.float()
-    part = (keys * q).view(N, B, T, slices, d // slices).sum(-1)      # (N, B, T, S) partial logits
-    shared = F.log_softmax(part.sum(-1), dim=0)                        # (N, B, T)
-    own = F.log_softmax(part, dim=0)                                   # (N, B, T, S)
-    return (own.exp() * (own - shared[..., None])).sum(0).mean().item()
+    r = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)            # (N, B, T, 1)
+    dot = (s * (q.float() * g.float())).view(N, B, T, slices, d // slices).sum(-1)   # (N, B, T, S) parts of <q g, s>
+    n = torch.arange(N, device=s.device).view(N, 1, 1, 1)
+    shared = F.log_softmax(route_logit(r, dot.sum(-1, keepdim=True), n, N), dim=0)   # (N, B, T, 1)
+    own = F.log_softmax(route_logit(r, dot, n, N), dim=0)                            # (N, B, T, S)
+    return (own.exp() * (own - shared)).sum(0).mean().item()
 
 
 def routing_matrix(maps):

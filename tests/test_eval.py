@@ -228,6 +228,25 @@ def test_probe_on_a_block_model(tmp_path):
     assert all(os.path.getsize(tmp_path / f) > 1000 for f in ("routing_maps.png", "head_deviation.png"))
 
 
+def test_slice_kl_by_hand_and_through_route_logit(monkeypatch):
+    """The Table 6 probe's KL against a hand computation (slice logits r <q g, s> over a quarter of the channels, the
+    full logit their sum), and a changed model.route_logit (a bias toward the newest source) reaches it."""
+    gen = torch.Generator().manual_seed(1)
+    s, q, g = torch.randn(4, 2, 3, 16, generator=gen), torch.randn(16, generator=gen), torch.rand(16, generator=gen) + .5
+    r = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def kl(bias):
+        part = (r * s * g * q).view(4, 2, 3, 4, 4).sum(-1) + bias       # (N, B, T, slices)
+        full = (r * s * g * q).sum(-1, keepdim=True) + bias
+        own, shared = part.log_softmax(0), full.log_softmax(0)
+        return (own.exp() * (own - shared)).sum(0).mean().item()
+
+    assert abs(evaluate.slice_kl(s, q, g, 4, 1e-6) - kl(0.0)) < 1e-6
+    monkeypatch.setattr(evaluate, "route_logit", lambda r, dot, n, count: r * dot + 0.5 * (n == count - 1))
+    newest = (torch.arange(4) == 3).float().view(4, 1, 1, 1)
+    assert abs(evaluate.slice_kl(s, q, g, 4, 1e-6) - kl(0.5 * newest)) < 1e-6 and abs(kl(0.5 * newest) - kl(0.0)) > 1e-4
+
+
 def test_probe_kl_maps_and_plots(eval_ckpt, eval_root, tmp_path):
     gen = torch.Generator().manual_seed(0)
     sources = torch.randn(5, 2, 3, 32, generator=gen)
