@@ -66,10 +66,11 @@ def test_study_equivalence_and_last11(tmp_path):
                 for step in range(0, 2001, 100):   # 21 evals; the last 11 are steps 1000-2000
                     f.write(json.dumps({"step": step, "val_loss": v + step / 1e5}) + "\n")
             tree = "def5678+dirty" if name == "attnres_s3_x0.125" else "abc1234"   # it ran on another tree
+            tree = "abc1234" + "f" * 33 if name == "mhar_s2" else tree   # a full id (MHAR_REVISION) is one tree too
             (tmp_path / f"350m_{name}.txt").write_text(f"run.sh: python train.py\ngit 0000000 | torch\nstopped\n"
                                                        f"run.sh: python train.py\ngit {tree} | torch\ndone\n")
     rs = study.runs(str(tmp_path))
-    assert rs[("350m", "mhar", 3)]["tree"] == "abc1234" and rs[("350m", "attnres_x0.125", 3)]["tree"] == "def5678+dirty"
+    assert rs[("350m", "mhar", 3)]["tree"] == rs[("350m", "mhar", 2)]["tree"] == "abc1234" and rs[("350m", "attnres_x0.125", 3)]["tree"] == "def5678+dirty"
     assert abs(rs[("350m", "mhar", 0)]["last11"] - (3.5 + 0.015)) < 1e-12   # mean of steps 1000..2000 / 1e5
     assert abs(rs[("350m", "mhar", 0)]["tail"] - (3.5 + 0.018)) < 1e-12     # mean of steps 1600..2000 / 1e5
     table = study.third_study(rs)

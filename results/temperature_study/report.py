@@ -200,11 +200,12 @@ def runs(log_dir):
 
 def tree(console):
     """The tree a run trained on: the last `git REV` header in its console log (run.sh appends every attempt's
-    output, and the log.jsonl is the last attempt's), or None without one."""
+    output, and the log.jsonl is the last attempt's), or None without one. A full commit id (MHAR_REVISION may give
+    one) is shortened to git's 7 characters, so one tree reads the same in every header."""
     if not os.path.exists(console):
         return None
     with open(console, errors="replace") as f:
-        revs = [m[1] for m in re.finditer(r"^git (\S+)", f.read(), re.M)]
+        revs = [re.sub(r"^([0-9a-f]{7})[0-9a-f]{33}", r"\1", m[1]) for m in re.finditer(r"^git (\S+)", f.read(), re.M)]
     return revs[-1] if revs else None
 
 
