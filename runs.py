@@ -1,8 +1,8 @@
 """
 What a train.py run folder holds besides its checkpoints, and who holds it: where a run starts from (start_point: scratch,
-its own checkpoint to resume, or a converted model; train.py's resume policy), the runs in a folder (list_runs: train.py
---list), one run per folder (lock_out_dir: train.lock), and its stops (StopSignals: SIGTERM, SIGINT become a stop with
-a checkpoint). The checkpoints are checkpoint.py's, the log metrics.py's.
+its own checkpoint to resume, or a converted model; train.py's resume policy), the runs in a folder (list_runs;
+print_runs is train.py --list), one run per folder (lock_out_dir: train.lock), and its stops (StopSignals: SIGTERM,
+SIGINT become a stop with a checkpoint). The checkpoints are checkpoint.py's, the log metrics.py's.
 """
 import atexit
 import math
@@ -187,6 +187,18 @@ def list_runs(folder):
 
 
 # ---- one run per out_dir ----------------------------------------------------------------------------------------------
+
+def print_runs(folder):
+    """python train.py --list[=FOLDER]: the runs in FOLDER (default out/), one line each."""
+    if not os.path.isdir(folder):
+        sys.exit(f"train.py: error: --list={folder}: no such folder")
+    rows = list_runs(folder)
+    print(f"{len(rows)} run(s) in {folder}" + (":" if rows else " (train.py --out_dir=... makes one)"))
+    for name, step, mode, loss, val, state in rows:
+        print(f"  {name:30s} step {step if step is not None else '-':>7} | {mode:8s} | loss "
+              f"{f'{loss:.4f}' if loss is not None else '-':>7} | val_loss {f'{val:.4f}' if val is not None else '-':>7} | "
+              f"{state}")
+
 
 def lock_out_dir(out_dir, say=print):
     """out_dir/train.lock names this process (common.take_lock: pid, host, since) until it exits. A lock whose process

@@ -16,8 +16,8 @@ against meta.json) -> resolve_start (the out_dir lock; scratch / resume / conver
 -> the loop: run_microbatches (graphed or eager), optimizer_step (average, clip, AdamW), EMA, StepLog (metrics.py: the
 lines, log.jsonl, val_bpb, routing statistics, the optional tracker); evaluate every eval_interval and save_checkpoint
 at evals (every save_every steps where given).
-What a run keeps in out_dir (checkpoints, log, lock, stops) and what it starts from (the resume policy) are
-checkpoint.py's; CUDA graphs and the gradient average are graphs.py's.
+Its checkpoints are checkpoint.py's; what a run folder holds besides (the lock, stops, --list) and what a run starts
+from (the resume policy) runs.py's; CUDA graphs and the gradient average graphs.py's.
 """
 import functools
 import json
@@ -43,7 +43,7 @@ from graphs import GraphCaptureError, GraphedMicrostep, OverlappedGradSync, sync
 from metrics import StepLog, Tracker, routing_statistics, val_bytes_per_token
 from model import GPT, GPTConfig
 from prepare_data import TokenData, check_files
-from runs import OutDirLocked, StopSignals, list_runs, lock_out_dir, start_point
+from runs import OutDirLocked, StopSignals, lock_out_dir, print_runs, start_point
 
 
 def fail(msg):
@@ -433,22 +433,10 @@ def log_header(cfg, rt, model, mcfg, data, model_source, step, device_name):
 
 # ---- main ------------------------------------------------------------------------------------------------------------
 
-def list_main(folder):
-    """python train.py --list[=FOLDER]: the runs in FOLDER (default out/), one line each."""
-    if not os.path.isdir(folder):
-        fail(f"--list={folder}: no such folder")
-    rows = list_runs(folder)
-    print(f"{len(rows)} run(s) in {folder}" + (":" if rows else " (train.py --out_dir=... makes one)"))
-    for name, step, mode, loss, val, state in rows:
-        print(f"  {name:30s} step {step if step is not None else '-':>7} | {mode:8s} | loss "
-              f"{f'{loss:.4f}' if loss is not None else '-':>7} | val_loss {f'{val:.4f}' if val is not None else '-':>7} | "
-              f"{state}")
-
-
 @keeps_signals
 def main(argv):
     if argv[:1] and argv[0].split("=")[0] == "--list":
-        return list_main(argv[0].split("=", 1)[1] if "=" in argv[0] else "out")
+        return print_runs(argv[0].split("=", 1)[1] if "=" in argv[0] else "out")
     try:
         cfg = parse_args(argv, __doc__)
         Tracker.check(cfg)
