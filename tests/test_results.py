@@ -70,7 +70,8 @@ def test_study_equivalence_and_last11(tmp_path):
             (tmp_path / f"350m_{name}.txt").write_text(f"run.sh: python train.py\ngit 0000000 | torch\nstopped\n"
                                                        f"run.sh: python train.py\ngit {tree} | torch\ndone\n")
     rs = study.runs(str(tmp_path))
-    assert rs[("350m", "mhar", 3)]["tree"] == rs[("350m", "mhar", 2)]["tree"] == "abc1234" and rs[("350m", "attnres_x0.125", 3)]["tree"] == "def5678+dirty"
+    assert rs[("350m", "mhar", 3)]["tree"] == rs[("350m", "mhar", 2)]["tree"] == "abc1234"
+    assert rs[("350m", "attnres_x0.125", 3)]["tree"] == "def5678+dirty"
     assert abs(rs[("350m", "mhar", 0)]["last11"] - (3.5 + 0.015)) < 1e-12   # mean of steps 1000..2000 / 1e5
     assert abs(rs[("350m", "mhar", 0)]["tail"] - (3.5 + 0.018)) < 1e-12     # mean of steps 1600..2000 / 1e5
     table = study.third_study(rs)
@@ -147,7 +148,7 @@ def test_fourth_study_reads_router_speed_and_its_rules(tmp_path):
     from logged entropies (ln N - entropy) and from logged kl alike, the manipulation check's ratio over steps
     300-1,000, each outcome of PLAN4_RULES (speed account, head cost, scale or regime, a dose point with the closure
     against the third study's primary), Holm over the family of four with a pending comparison counted in, the drift
-    check, and each run's lowest-loss step."""
+    and regime checks, and each run's lowest-loss step."""
     study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
 
     def write(folder, g8, g4, kl_b=0.1, c1=-0.05):
@@ -199,6 +200,15 @@ def test_fourth_study_reads_router_speed_and_its_rules(tmp_path):
     (drift / "350m_attnres_s0_x0.125.txt").write_text("git abc1234 | torch\n")
     assert "drift check: 350m_attnres_x0.125_s0 on tree abc1234 ends at tail-5 3.5070, its log's (tree None) 3.5020: " \
         "+0.0050, within +-0.01" in study.fourth_study(rs, str(drift))
+    regime = tmp_path / "regime"   # the regime check: the third study's primary pair, seed 0, on other text
+    regime.mkdir()
+    write_routed_log(regime / "350m_attnres_s0_x0.125.log.jsonl", 3.40, 0.1)
+    assert "regime check: pending (350m_attnres_x0.125_s0, 350m_mhar_s0 in" in study.fourth_study(rs, None, str(regime))
+    write_routed_log(regime / "350m_mhar_s0.log.jsonl", 3.43, 0.05, 8)
+    text = study.fourth_study(rs, None, str(regime))
+    here = rs[("350m", "attnres_x0.125", 0)]["tail"] - rs[("350m", "mhar", 0)]["tail"]
+    assert f"attnres_x0.125 - mhar tail-5 -0.0300; on books_wiki, seed 0: {here:+.4f}; " in text
+    assert "350m_mhar_s0 tail-5 3.4320, lowest at step 2000 (books_wiki: 2000)" in text
     assert study.fourth_study({}) == ""
 
 
@@ -298,7 +308,8 @@ def test_temperature_study_driver(tmp_path, data_dir):
     """results/temperature_study/run.sh end to end on the CPU, at a tiny shape and budget (EXTRA's flags come last, so
     they override the configs'): every spec checked before any run, GPUS=2 workers sharing one list (each run made
     once, a repeated spec too), the names and flags of each run, a second call skipping finished runs, refusals, a
-    stopped run resumed from its checkpoint (nothing deleted unless FRESH=1)."""
+    stopped run resumed from its checkpoint (nothing deleted unless FRESH=1), a run of the same name logged elsewhere
+    refused rather than resumed from another's checkpoint."""
     work, bin_, logs = tmp_path / "w", tmp_path / "bin", tmp_path / "logs"
     work.mkdir()
     bin_.mkdir()
@@ -376,6 +387,17 @@ def test_temperature_study_driver(tmp_path, data_dir):
     r = run_sh("100m:mhar:1", SAVE="True", FRESH="1")
     assert r.returncode == 0 and "100m_mhar_s1: FRESH=1, starting from scratch" in r.stdout, r.stdout
     assert (logs / "100m_mhar_s1.txt").read_text().count("config: ") == 1
+    # the same run logged elsewhere (a drift check's rerun): its name's folder belongs to logs/, so it is refused, not
+    # resumed from that checkpoint; in a RUNS of its own it trains
+    kept = {f: (run_dir / f).read_bytes() for f in os.listdir(run_dir) if (run_dir / f).is_file()}
+    r = run_sh("100m:mhar:1", SAVE="True", LOGS=str(tmp_path / "logs_drift"))
+    assert r.returncode == 1 and f"100m_mhar_s1: out/study/100m_mhar_s1 holds the run logged in {logs}, not in " \
+        f"LOGS={tmp_path / 'logs_drift'}: not resumed" in r.stdout, r.stdout
+    assert {f: (run_dir / f).read_bytes() for f in kept} == kept
+    assert not (tmp_path / "logs_drift" / "100m_mhar_s1.log.jsonl").exists()
+    r = run_sh("100m:mhar:1", SAVE="True", LOGS=str(tmp_path / "logs_drift"), RUNS="out/study_drift")
+    assert r.returncode == 0 and (tmp_path / "logs_drift" / "100m_mhar_s1.log.jsonl").is_file(), r.stdout
+    assert "--out_dir=out/study_drift/100m_mhar_s1" in (tmp_path / "logs_drift" / "100m_mhar_s1.txt").read_text()
     # BUDGET=paper: the paper's config files (their budget overridden here), checkpoints kept, a stopped run resumed
     assert first_paper.returncode == 0, first_paper.stdout
     assert (work / "out" / "study_paper" / "124m_mhar_s0" / "ckpt.pt").is_file(), first_paper.stdout

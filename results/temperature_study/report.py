@@ -378,11 +378,12 @@ def plan_table(rs, plan, labels, use, holm, margin):
     return lines, results
 
 
-def fourth_study(rs, drift_dir=None):
+def fourth_study(rs, drift_dir=None, regime_dir=None):
     """The fourth study's reading (PLAN4, fixed before its runs): the table of its five comparisons (G8 tested alone,
     the other four one Holm family; equivalence within +-PLAN4_BAND), the manipulation check, the outcome by
     PLAN4_RULES, the closure against the third study's primary, the paper's two versions beside T1 and T2, and the
-    drift check (the single head at s = 1/8, seed 0, rerun into drift_dir). "" before any of its runs."""
+    drift check (the single head at s = 1/8, seed 0, rerun into drift_dir) and the regime check (regime_check, in
+    regime_dir). "" before any of its runs."""
     shape = PLAN4[0][0]
     if not any(k[0] == shape and k[1] in ("baseline", "mhar_x2", "mhar_h4") for k in rs):
         return ""
@@ -411,9 +412,7 @@ def fourth_study(rs, drift_dir=None):
     minima = [f"{shape}_{cfg}_s{sd} {rs[(shape, cfg, sd)]['best']}" for cfg in dict.fromkeys(x for p in PLAN4 for x in p[1:])
               for sd in PLAN4_SEEDS if (shape, cfg, sd) in rs]
     notes.append("the step of each run's lowest val loss: " + ", ".join(minima))
-    drift = drift_check(rs, drift_dir)
-    if drift:
-        notes.append(drift)
+    notes += [x for x in (drift_check(rs, drift_dir), regime_check(rs, regime_dir)) if x]
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])
 
 
@@ -458,6 +457,26 @@ def drift_check(rs, drift_dir, name=("350m", "attnres_x0.125", 0), tolerance=0.0
     return (f"drift check: {shape}_{cfg}_s{seed} on tree {again['tree']} ends at tail-5 {again['tail']:.4f}, its log's "
             f"(tree {rs[name]['tree']}) {rs[name]['tail']:.4f}: {d:+.4f}, "
             + ("within" if abs(d) <= tolerance else "outside") + f" +-{tolerance:g}")
+
+
+def regime_check(rs, regime_dir, seed=0):
+    """The regime check (descriptive, one seed): the third study's primary pair (PLAN3's first row) trained on other
+    text without repeating a document, validated on the same books_wiki documents, in regime_dir: its tail-5 delta
+    beside the same seed's on books_wiki, each run's final val loss and the step of its lowest."""
+    if not regime_dir:
+        return ""
+    shape, a, b = PLAN3[0]
+    again = runs(regime_dir)
+    names = [(shape, c, seed) for c in (a, b)]
+    if not all(n in again for n in names):
+        return f"regime check: pending ({', '.join(f'{shape}_{c}_s{seed}' for _, c, _ in names)} in {regime_dir})"
+    d = again[names[0]]["tail"] - again[names[1]]["tail"]
+    here = (f"; on books_wiki, seed {seed}: {rs[names[0]]['tail'] - rs[names[1]]['tail']:+.4f}"
+            if all(n in rs for n in names) else "")
+    runs_said = ", ".join(f"{shape}_{n[1]}_s{seed} tail-5 {again[n]['tail']:.4f}, lowest at step {again[n]['best']}"
+                          + (f" (books_wiki: {rs[n]['best']})" if n in rs else "") for n in names)
+    return (f"regime check (one seed, described; no document repeated, validated on books_wiki's documents): {a} - {b} "
+            f"tail-5 {d:+.4f}{here}; {runs_said}")
 
 
 def speed_table(rs, shape, ref, arms, steps=SPEED_STEPS):
@@ -717,7 +736,7 @@ if __name__ == "__main__":
         print(third_study(rs))
     if fourth_study(rs):
         print(f"\nThe fourth study (350M, planned; A ahead = A's loss lower; equivalent = within +-{PLAN4_BAND:g}):\n")
-        print(fourth_study(rs, os.path.join(args.log_dir, "..", "logs_drift")))
+        print(fourth_study(rs, *(os.path.join(args.log_dir, "..", x) for x in ("logs_drift", "logs_regime"))))
     speeds = [speed_table(rs, shape, ref, arms) for shape, ref, arms in SPEED_TABLES
               + [(sh, ref, arms.split(",")) for sh, ref, arms in (x.split(":") for x in args.speed)]]
     if any(speeds):

@@ -14,11 +14,14 @@
 # GPUS=8 runs 8 runs at once, one per GPU (CUDA_VISIBLE_DEVICES), each GPU taking the next spec not yet taken.
 # A run whose log is in the log folder ($LOGS) is skipped (done); its log.jsonl is copied there only when it finished.
 # EXTRA="--lr=5e-4" appends train.py arguments to every run (give such runs their own LOGS: the names do not show it).
-# SAVE=True keeps a reduced run's checkpoint in out/study/NAME (for eval.py); by default only the logs are kept. It is
+# SAVE=True keeps a reduced run's checkpoint in $RUNS/NAME (for eval.py); by default only the logs are kept. It is
 #   written at every eval (5 GB at 350M); EXTRA="--save_every=500" writes it less often (a cut run redoes at most 500).
 # A stopped run that has a checkpoint ($RUNS/NAME/ckpt.pt: SAVE=True or BUDGET=paper) resumes from it; one without
 #   starts again (train.py keeps its old log beside the new). Nothing is deleted: FRESH=1 removes a run's folder
 #   ($RUNS/NAME) and empties its .txt before it starts from scratch; otherwise each attempt's output is appended.
+# RUNS= the folder of the runs' folders (default out/study, BUDGET=paper out/study_paper). A run folder belongs to the
+#   LOGS its run started with ($RUNS/.NAME.logs): a run of the same name logged elsewhere (a rerun on another tree,
+#   other data) is refused rather than resumed from it; give such runs a RUNS of their own.
 # Long lists can run in the background: nohup bash results/temperature_study/run.sh ... &
 # A copy without its own .git names its tree in each run's header by MHAR_REVISION (which wins over git when set):
 #   MHAR_REVISION=$(git rev-parse --short HEAD) where the checkout is, then MHAR_REVISION=<that> bash run.sh ... there.
@@ -27,10 +30,10 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)   # the repository (common.py: the loc
 BUDGET=${BUDGET:-reduced}
 GPUS=${GPUS:-1}
 case $BUDGET in
-  reduced) DATA=${DATA:-data/books_wiki}; LOGS=${LOGS:-results/temperature_study/logs}; RUNS=out/study
+  reduced) DATA=${DATA:-data/books_wiki}; LOGS=${LOGS:-results/temperature_study/logs}; RUNS=${RUNS:-out/study}
            SAVE=${SAVE:-False} ;;
-  paper)   DATA=${DATA:-data/fineweb_edu}; LOGS=${LOGS:-results/temperature_study/logs_paper}; RUNS=out/study_paper
-           SAVE=True ;;
+  paper)   DATA=${DATA:-data/fineweb_edu}; LOGS=${LOGS:-results/temperature_study/logs_paper}
+           RUNS=${RUNS:-out/study_paper}; SAVE=True ;;
   *) echo "run.sh: BUDGET=$BUDGET is not reduced or paper"; exit 2 ;;
 esac
 case $GPUS in ''|*[!0-9]*|0) echo "run.sh: GPUS=$GPUS is not a positive number of GPUs"; exit 2 ;; esac
@@ -64,6 +67,7 @@ if [ ! -f "$DATA/meta.json" ]; then
     --out_dir=$DATA --workers=16
 fi
 mkdir -p "$LOGS" "$RUNS"
+LOGS_AT=$(cd "$LOGS" && pwd)   # what a run folder's owner file ($RUNS/.NAME.logs) holds
 
 run_one() {   # SPEC: train it unless its log is in $LOGS
   local shape mode seed scale heads init cfg shape_args name start route_args=""
@@ -93,11 +97,17 @@ sys.exit(0 if common.lock_holder(sys.argv[2]) else 3)' "$ROOT" "$RUNS/$name/trai
       echo "$name" >> "$failed"; return
     fi
   fi
+  local owner="$RUNS/.$name.logs"   # the LOGS this run folder's run was started with
   if [ "${FRESH:-0}" = 1 ]; then
-    rm -rf "${RUNS:?}/$name"; : > "$LOGS/$name.txt"; echo "$name: FRESH=1, starting from scratch"
+    rm -rf "${RUNS:?}/$name" "$owner"; : > "$LOGS/$name.txt"; echo "$name: FRESH=1, starting from scratch"
+  elif [ -f "$RUNS/$name/ckpt.pt" ] && [ -f "$owner" ] && [ "$(cat "$owner")" != "$LOGS_AT" ]; then
+    echo "$name: $RUNS/$name holds the run logged in $(cat "$owner"), not in LOGS=$LOGS: not resumed; give these runs" \
+         "a folder of their own (RUNS=out/$(basename "$LOGS"))"
+    echo "$name" >> "$failed"; return
   elif [ -f "$RUNS/$name/ckpt.pt" ]; then
     start=--init_from=resume; echo "$name: resuming $RUNS/$name"
   fi
+  echo "$LOGS_AT" > "$owner"
   local cmd="python train.py $cfg --residual=$mode --seed=$seed --route_scale=$scale $route_args $shape_args --data_dir=$DATA
     --save=$SAVE --out_dir=$RUNS/$name --log_interval=10 $start $EXTRA"
   echo "run.sh: "$cmd >> "$LOGS/$name.txt"   # the command, on one line, above its output
