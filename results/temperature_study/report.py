@@ -462,7 +462,7 @@ def drift_check(rs, drift_dir, name=("350m", "attnres_x0.125", 0), tolerance=0.0
 def regime_check(rs, regime_dir, seed=0):
     """The regime check (descriptive, one seed): the third study's primary pair (PLAN3's first row) trained on other
     text without repeating a document, validated on the same books_wiki documents, in regime_dir: its tail-5 delta
-    beside the same seed's on books_wiki, each run's final val loss and the step of its lowest."""
+    beside the same seed's on books_wiki, each run's tail-5 and the step of its lowest val loss (and on books_wiki)."""
     if not regime_dir:
         return ""
     shape, a, b = PLAN3[0]
