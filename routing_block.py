@@ -31,7 +31,7 @@ with the programs. Measured: BENCHMARKS.md.
 """
 import torch
 
-from routing_config import _block_m, _split, announce, check_envelope, config_for
+from routing_config import Launch, _block_m, _split, announce, check_envelope, config_for
 from routing_kernel import RoutingChain, triton   # the chain's contract: site order, checks, route()
 
 if triton is not None:
@@ -217,6 +217,16 @@ class BlockChain(RoutingChain):
         if training:
             self.dB = torch.empty(blocks + 1, tokens, d, dtype=dtype, device=device)
             self.PART = torch.empty(n_sites, self.programs, d, **f32)
+        bm, warps, stages = self.geometry["block_fwd"]
+        self.fwd_launch = Launch(_block_fwd, (triton.cdiv(tokens, bm),), warps,
+                                 ("NEW", "Q", "G", "OUT", "count", "dst", "prev", "j", "HAS_PREV"), X=self.X, R=self.R,
+                                 LSE=self.LSE, M=tokens, eps=eps, **self.shape, BLOCK_M=bm, STAGES=stages)
+        if training:
+            bm, warps, stages = self.geometry["block_bwd"]
+            self.bwd_launch = Launch(_block_bwd, (self.programs,), warps,
+                                     ("Q", "G", "GOUT", "GO", "count", "last", "j", "ACCUM"), X=self.X, R=self.R,
+                                     LSE=self.LSE, DB=self.dB, PART=self.PART, M=tokens, n_tiles=self.tiles,
+                                     inv_dm=1.0 / d, **self.shape, BLOCK_M=bm, STAGES=stages)
         self.reset()
 
     def reset(self, queries=None, gains=None):
@@ -239,11 +249,8 @@ class BlockChain(RoutingChain):
         count, skip = self.sources(j)
         prev = self.n + i if i > 1 and (i - 1) % P else None   # the open block's sum before sublayer i, if any
         out = torch.empty(self.M, self.d, dtype=self.dtype, device=new_source.device)
-        bm, warps, stages = self.geometry["block_fwd"]
-        _block_fwd[(triton.cdiv(self.M, bm),)](
-            X=self.X, R=self.R, LSE=self.LSE, NEW=new_source, Q=q, G=g, OUT=out, M=self.M, count=count,
-            dst=count - 1 + skip, prev=prev or 0, j=j - 1, eps=self.eps, **self.shape, BLOCK_M=bm, STAGES=stages,
-            HAS_PREV=prev is not None, num_warps=warps)
+        self.fwd_launch(NEW=new_source, Q=q, G=g, OUT=out, count=count, dst=count - 1 + skip, prev=prev or 0, j=j - 1,
+                        HAS_PREV=prev is not None)
         self.next_fwd = j + 1
         if j == self.N:
             self.next_bwd = self.N
@@ -254,12 +261,8 @@ class BlockChain(RoutingChain):
         count, skip = self.sources(j)
         grad_out = grad_out.to(self.dtype).contiguous()
         go = torch.empty_like(grad_out)
-        bm, warps, stages = self.geometry["block_bwd"]
         first = j == self.N   # the first backward starts every block's gradient (site N reads them all)
-        _block_bwd[(self.programs,)](
-            X=self.X, R=self.R, LSE=self.LSE, Q=q, G=g, GOUT=grad_out, GO=go, DB=self.dB, PART=self.PART, M=self.M,
-            n_tiles=self.tiles, count=count, last=count - 1 + skip, j=j - 1, inv_dm=1.0 / self.d, **self.shape,
-            BLOCK_M=bm, STAGES=stages, ACCUM=not first, num_warps=warps)
+        self.bwd_launch(Q=q, G=g, GOUT=grad_out, GO=go, count=count, last=count - 1 + skip, j=j - 1, ACCUM=not first)
         self.next_bwd = j - 1
         queries, gains = self.live
         if queries is None:   # no queries given: this site's dq and dg now

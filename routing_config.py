@@ -94,6 +94,32 @@ def _other_card(config):
     return "" if "H200" in gpu else f"; the H200's table on this {gpu}, which has no table of its own"
 
 
+class Launch:
+    """One kernel at one grid and warp count, with the arguments that stay fixed for a pass (its buffers, widths, tile
+    shapes, flags) bound once, and the rest given by name on each call. The kernel gets them all positionally, in its
+    own order. Triton binds positional arguments faster than keywords, and an eager step launches about two kernels per
+    routing site: BENCHMARKS has the host cost per launch."""
+
+    def __init__(self, kernel, grid, num_warps, per_call, **bound):
+        names = list(kernel.arg_names)
+        given = set(bound) | set(per_call)
+        if given != set(names) or set(bound) & set(per_call):
+            raise TypeError(f"Launch({kernel.__name__}): missing {sorted(set(names) - given)}, unknown "
+                            f"{sorted(given - set(names))}, both bound and per call {sorted(set(bound) & set(per_call))}")
+        self.grid, self.num_warps, self.bound = grid, num_warps, bound
+        self.template = [bound.get(name) for name in names]
+        self.slot = {name: names.index(name) for name in per_call}
+        self.kernel = kernel[grid]
+
+    def __call__(self, **per_call):
+        if per_call.keys() != self.slot.keys():
+            raise TypeError(f"Launch: given {sorted(per_call)}, expected {sorted(self.slot)}")
+        args = self.template.copy()
+        for name, value in per_call.items():
+            args[self.slot[name]] = value
+        self.kernel(*args, num_warps=self.num_warps)
+
+
 def op_namespace(module, home, op):
     """The torch.library namespace of a routing module's operators: mhar for the repository's own module (named home),
     else one of its own: a copy imported under another name (an exported folder's, which transformers loads as a

@@ -46,7 +46,8 @@ try:
 except ImportError:  # the model falls back to the reference routing (model.py prints why)
     triton = None
 
-from routing_config import INTERPRET, _block_m, _split, announce, check_envelope, config_for, lead_schedule, op_namespace
+from routing_config import (INTERPRET, Launch, _block_m, _split, announce, check_envelope, config_for, lead_schedule,
+                            op_namespace)
 
 
 def available(device):
@@ -385,14 +386,6 @@ class RoutingChain:
         N, M, H = self.N, self.M, self.H = n_sites, tokens, heads
         self.d, self.D, self.eps, self.dtype, self.training = d, d // heads, eps, dtype, training
         # the forward's programs own a head of a token block, the gathers' every head (tile elements, warps, stages)
-        d_a, block_b, lanes = _split(self.D)   # (160 = 128 + 32, not 256 padded)
-        bh = triton.next_power_of_2(H)
-        fwd_shape = dict(D_A=d_a, BLOCK_B=block_b, BLOCK_C=min(1024, triton.next_power_of_2(d)))
-        gather_shape = dict(DM=d, H=H, D=self.D, BH=bh, D_A=d_a, BLOCK_B=block_b)
-        self.fwd_launch = {lead: ((triton.cdiv(M, _block_m(s[0], lanes, cfg)) * H,), _block_m(s[0], lanes, cfg), *s[1:],
-                                  fwd_shape) for lead, s in ((False, cfg.fwd), (True, cfg.fwd_lead)) if s}
-        self.gather_launch = {lead: (_block_m(s[0], bh * lanes, cfg), *s[1:], gather_shape)
-                              for lead, s in ((False, cfg.gather), (True, cfg.gather_lead)) if s}
         f32 = dict(dtype=torch.float32, device=device)
         self.S, self.R = torch.empty(N, M, d, dtype=dtype, device=device), torch.empty(N, M, **f32)
         self.W, self.LSE = torch.empty(N, d, **f32), torch.empty(N, H, M, **f32)
@@ -407,7 +400,33 @@ class RoutingChain:
         led = cfg.fwd_lead_sites if self.fwd_lead else 1   # lead states at once: the forward's, or the gather's one
         self.PACC, self.PML, self.PK = (torch.empty(led, M, d, **f32), torch.empty(led, 2, H, M, **f32),
                                         torch.empty(M, **f32)) if self.fwd_lead or self.gather_lead else (self.R,) * 3
+        self._launches(N, M, d, H, cfg)
         self.reset()
+
+    def _launches(self, N, M, d, H, cfg):
+        """Each kernel's Launch, with and without leading (routing_config.Launch: the pass's buffers and shapes bound)."""
+        d_a, block_b, lanes = _split(self.D)   # (160 = 128 + 32, not 256 padded)
+        bh = triton.next_power_of_2(H)
+        self.fwd_launch, self.gather_launch = {}, {}
+        for lead, setting in ((False, cfg.fwd), (True, cfg.fwd_lead)):
+            if setting:   # a program owns a token block of one head
+                (tile, warps, stages), bm = setting, _block_m(setting[0], lanes, cfg)
+                self.fwd_launch[lead] = Launch(
+                    _chain_fwd, (triton.cdiv(M, bm) * H,), warps, ("NEW", "Q", "G", "OUT", "Q2", "G2", "Q3", "G3", "j",
+                                                                   "back", "FOLLOW"),
+                    S=self.S, R=self.R, W=self.W, LSE=self.LSE, LG=self.LG, PACC=self.PACC, PML=self.PML, MIX=self.MIX,
+                    M=M, eps=self.eps, DM=d, H=H, D=self.D, D_A=d_a, BLOCK_B=block_b,
+                    BLOCK_C=min(1024, triton.next_power_of_2(d)), BLOCK_M=bm, STAGES=stages,
+                    STORE_LOGITS=self.stored_logits, LEAD=cfg.fwd_lead_sites if lead else 0,
+                    STORE_MIX=self.MIX is not self.R)
+        for lead, setting in ((False, cfg.gather), (True, cfg.gather_lead)):
+            if setting and self.training:   # a program owns a token block over every head
+                (tile, warps, stages), bm = setting, _block_m(setting[0], bh * lanes, cfg)
+                self.gather_launch[lead] = Launch(
+                    _gather_bwd, (triton.cdiv(M, bm),), warps, ("GIN", "DS", "j", "FOLLOW"),
+                    S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, LG=self.LG, GB=self.GB, CL=self.CL,
+                    DLR=self.DLR, PACC=self.PACC, PK=self.PK, M=M, N=N, inv_dm=1.0 / d, DM=d, H=H, D=self.D, BH=bh,
+                    D_A=d_a, BLOCK_B=block_b, BLOCK_M=bm, STAGES=stages, LEAD=lead, LOGITS_STORED=self.stored_logits)
 
     def _backward_buffers(self, N, M, d, H, f32):
         P = N * (N + 1) // 2
@@ -463,13 +482,9 @@ class RoutingChain:
         self._expect_forward(j)
         out = torch.empty(self.M, self.d, dtype=self.dtype, device=new_source.device)
         lead = self.config.fwd_lead_sites if j in self.fwd_lead and self.queries is not None and not self.behind else 0
-        grid, bm, warps, stages, parts = self.fwd_launch[lead > 0]
         (q2, g2), (q3, g3) = [(self.queries[j + x], self.gains[j + x]) if x < lead else (q, g) for x in range(2)]
-        _chain_fwd[grid](
-            S=self.S, R=self.R, NEW=new_source, Q=q, G=g, W=self.W, OUT=out, LSE=self.LSE, LG=self.LG, Q2=q2, G2=g2, Q3=q3,
-            G3=g3, PACC=self.PACC, PML=self.PML, MIX=self.MIX, M=self.M, j=j, back=self.behind, eps=self.eps, DM=self.d,
-            H=self.H, D=self.D, **parts, BLOCK_M=bm, STAGES=stages, STORE_LOGITS=self.stored_logits, LEAD=lead,
-            FOLLOW=self.behind > 0, STORE_MIX=self.MIX is not self.R, num_warps=warps)
+        self.fwd_launch[lead > 0](NEW=new_source, Q=q, G=g, OUT=out, Q2=q2, G2=g2, Q3=q3, G3=g3, j=j, back=self.behind,
+                                  FOLLOW=self.behind > 0)
         if lead:
             self.behind, self.led = 1, lead
         else:
@@ -493,11 +508,7 @@ class RoutingChain:
         grad_out = grad_out.to(self.dtype).contiguous()   # (no copy when it already is)
         ds = torch.empty(M, d, dtype=self.dtype, device=grad_out.device)
         lead = j in self.gather_lead and not self.following
-        bm, warps, stages, shape = self.gather_launch[lead]
-        _gather_bwd[(triton.cdiv(M, bm),)](
-            S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, LG=self.LG, GB=self.GB, CL=self.CL, DLR=self.DLR,
-            GIN=grad_out, DS=ds, PACC=self.PACC, PK=self.PK, M=M, N=N, j=j, inv_dm=1.0 / d, **shape, BLOCK_M=bm,
-            STAGES=stages, LEAD=lead, FOLLOW=self.following, LOGITS_STORED=self.stored_logits, num_warps=warps)
+        self.gather_launch[lead](GIN=grad_out, DS=ds, j=j, FOLLOW=self.following)
         self.next_bwd, self.following = j - 1, lead
         if j > 1:
             return ds, None, None

@@ -7,6 +7,7 @@ kernels run in Triton's interpreter.
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -690,9 +691,37 @@ def test_fused_routing_config_for_and_launch():
     config = rc.RoutingConfig(max_block_m=16, fwd=(1024, 2, 2), gather=(256, 1, 1))
     mine = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True, config=config)
     default = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True)
-    assert mine.fwd_launch[False][2:4] == (2, 2) and mine.gather_launch[False][1:3] == (1, 1)
-    assert default.fwd_launch[False][2:4] == rc.DEFAULT.fwd[1:] and default.gather_launch[True][1:3] == rc.DEFAULT.gather_lead[1:]
+    def settings(launch):   # (warps, stages)
+        return launch.num_warps, launch.bound["STAGES"]
+    assert settings(mine.fwd_launch[False]) == (2, 2) and settings(mine.gather_launch[False]) == (1, 1)
+    assert settings(default.fwd_launch[False]) == rc.DEFAULT.fwd[1:]
+    assert settings(default.gather_launch[True]) == rc.DEFAULT.gather_lead[1:]
     check_fused_chain(5, 1, 33, 96, 4, torch.float32, config)
+
+
+def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order():
+    """routing_config.Launch: the bound and per-call arguments reach the kernel positionally in its signature's order,
+    with the grid and warps; a name missing, unknown or given twice fails when the launch is made, a call that names
+    other per-call arguments fails before it launches."""
+    calls = []
+
+    class Kernel:   # what Launch reads of a Triton kernel: its argument names and [grid](*args, num_warps)
+        __name__, arg_names = "k", ["A", "n", "B", "FLAG"]
+
+        def __getitem__(self, grid):
+            return lambda *args, num_warps: calls.append((grid, args, num_warps))
+
+    launch = rc.Launch(Kernel(), (3,), 2, ("B", "n"), A="a", FLAG=True)
+    launch(n=5, B="b")
+    launch(B="c", n=6)
+    assert calls == [((3,), ("a", 5, "b", True), 2), ((3,), ("a", 6, "c", True), 2)]
+    for per_call, bound, says in [(("B",), dict(A=1, FLAG=1), "missing ['n']"), (("B", "n", "X"), dict(A=1, FLAG=1),
+                                  "unknown ['X']"), (("B", "n"), dict(A=1, n=1, FLAG=1), "per call ['n']")]:
+        with pytest.raises(TypeError, match=re.escape(says)):
+            rc.Launch(Kernel(), (1,), 1, per_call, **bound)
+    with pytest.raises(TypeError, match=re.escape("given ['B'], expected ['B', 'n']")):
+        launch(B="b")
+    assert len(calls) == 2
 
 
 def test_fused_routing_announces_its_config():
@@ -751,7 +780,7 @@ def test_fused_routing_shared_reads(least, dtype):
     check_fused_chain(7, 2, 19, 112, 4, dtype, config)
     check_fused_chain(6, 2, 5, 40, 1, dtype, config)
     outs, chain = led_outputs(7, dtype, config)
-    assert chain.fwd_lead == fwd and chain.gather_lead == gather and chain.gather_launch[True][0] >= 1
+    assert chain.fwd_lead == fwd and chain.gather_lead == gather and chain.gather_launch[True].bound["BLOCK_M"] >= 1
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
