@@ -106,7 +106,7 @@ class Launch:
         if given != set(names) or set(bound) & set(per_call):
             raise TypeError(f"Launch({kernel.__name__}): missing {sorted(set(names) - given)}, unknown "
                             f"{sorted(given - set(names))}, both bound and per call {sorted(set(bound) & set(per_call))}")
-        self.grid, self.num_warps, self.bound = grid, num_warps, bound
+        self.num_warps, self.bound = num_warps, bound
         self.template = [bound.get(name) for name in names]
         self.slot = {name: names.index(name) for name in per_call}
         self.kernel = kernel[grid]

@@ -385,7 +385,6 @@ class RoutingChain:
         announce(cfg, d, heads)
         N, M, H = self.N, self.M, self.H = n_sites, tokens, heads
         self.d, self.D, self.eps, self.dtype, self.training = d, d // heads, eps, dtype, training
-        # the forward's programs own a head of a token block, the gathers' every head (tile elements, warps, stages)
         f32 = dict(dtype=torch.float32, device=device)
         self.S, self.R = torch.empty(N, M, d, dtype=dtype, device=device), torch.empty(N, M, **f32)
         self.W, self.LSE = torch.empty(N, d, **f32), torch.empty(N, H, M, **f32)
