@@ -1,5 +1,5 @@
 # Triton's host cost per launch against the number and kind of arguments (keywords against positional), and the
-# eager routing chain's host time per site at a 350M training microbatch (B 8, T 1024, d 1024, H 8, 49 sites), with a
+# eager routing chain's host time per site at 350M's width and depth (49 sites, d 1024, H 8) and B 8 x T 1024, with a
 # cProfile of its forward. On a GPU, from the repository root:
 #   python results/launch_cost/launch_probe.py   (launch_probe_h100.txt: one H100 80GB, tree 2701d00)
 import importlib.util, os, sys, tempfile, time
@@ -31,18 +31,18 @@ for n_ptr, n_int, n_const in ((1, 0, 0), (4, 2, 2), (16, 4, 8), (24, 6, 12), (32
     a = host_us(lambda: k[(4,)](**kw)); b = host_us(lambda: k[(4,)](*pos))
     print(f"| {n_ptr} | {n_int} | {n_const} | {a:.1f} | {b:.1f} |")
 
-# the chain, eager, at 350M's training microbatch (N = 49 sites, 4 x 1024 tokens... as the paper's: B=8,T=1024? use 4x1024)
+# the chain, eager, at 350M's width and depth (49 sites, d 1024, H 8), B 8 x T 1024
 from routing_kernel import FusedRouter
 N, B, T, d, H = 49, 8, 1024, 1024, 8
 r = FusedRouter(N, H, 1e-6)
 qs = [torch.randn(d, device="cuda", requires_grad=True) * 0.02 for _ in range(N)]
 qs = [q.detach().requires_grad_() for q in qs]; gs = [torch.ones(d, device="cuda", requires_grad=True) for _ in range(N)]
 x0 = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-def step(direct=False):
+def step():
     c = r.start(x0, qs, gs)
     h = x0
     for j in range(1, N + 1):
-        h = c.route(j, h, qs[j - 1], gs[j - 1]) + 0.001 * h if False else c.route(j, h, qs[j - 1], gs[j - 1])
+        h = c.route(j, h, qs[j - 1], gs[j - 1])
     return h
 def fwdbwd():
     h = step(); h.float().sum().backward()
@@ -65,7 +65,7 @@ with torch.cuda.graph(g): fwd_nograd()
 torch.cuda.synchronize(); t = time.perf_counter()
 for _ in range(30): g.replay()
 torch.cuda.synchronize(); print(f"chain forward, no grad, graphed: {(time.perf_counter()-t)/30*1e3:.2f} ms")
-# host split of one forward site: the launch alone (forward_site) against route()'s wrapping
+# where a forward site's host time goes
 c = r.start(x0, None, None, training=False)
 import cProfile, pstats
 pr = cProfile.Profile(); pr.enable()
