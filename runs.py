@@ -186,8 +186,6 @@ def list_runs(folder):
     return rows
 
 
-# ---- one run per out_dir ----------------------------------------------------------------------------------------------
-
 def print_runs(folder):
     """python train.py --list[=FOLDER]: the runs in FOLDER (default out/), one line each."""
     if not os.path.isdir(folder):
@@ -199,6 +197,8 @@ def print_runs(folder):
               f"{f'{loss:.4f}' if loss is not None else '-':>7} | val_loss {f'{val:.4f}' if val is not None else '-':>7} | "
               f"{state}")
 
+
+# ---- one run per out_dir ----------------------------------------------------------------------------------------------
 
 def lock_out_dir(out_dir, say=print):
     """out_dir/train.lock names this process (common.take_lock: pid, host, since) until it exits. A lock whose process
