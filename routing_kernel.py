@@ -409,7 +409,8 @@ class RoutingChain:
         self.fwd_launch, self.gather_launch = {}, {}
         for lead, setting in ((False, cfg.fwd), (True, cfg.fwd_lead)):
             if setting:   # a program owns a token block of one head
-                (tile, warps, stages), bm = setting, _block_m(setting[0], lanes, cfg)
+                tile, warps, stages = setting
+                bm = _block_m(tile, lanes, cfg)
                 self.fwd_launch[lead] = Launch(
                     _chain_fwd, (triton.cdiv(M, bm) * H,), warps, ("NEW", "Q", "G", "OUT", "Q2", "G2", "Q3", "G3", "j",
                                                                    "back", "FOLLOW"),
@@ -420,7 +421,8 @@ class RoutingChain:
                     STORE_MIX=self.MIX is not self.R)
         for lead, setting in ((False, cfg.gather), (True, cfg.gather_lead)):
             if setting and self.training:   # a program owns a token block over every head
-                (tile, warps, stages), bm = setting, _block_m(setting[0], bh * lanes, cfg)
+                tile, warps, stages = setting
+                bm = _block_m(tile, bh * lanes, cfg)
                 self.gather_launch[lead] = Launch(
                     _gather_bwd, (triton.cdiv(M, bm),), warps, ("GIN", "DS", "j", "FOLLOW"),
                     S=self.S, R=self.R, W=self.W, LSE=self.LSE, MIX=self.MIX, LG=self.LG, GB=self.GB, CL=self.CL,
