@@ -21,6 +21,33 @@ def write_eval_log(path, v):
             f.write(json.dumps({"step": step, "val_loss": v + (2000 - step) / 1000}) + "\n")
 
 
+def test_study_run_tables_agree_with_their_logs():
+    """Every run row of the temperature study's README (| name | card | tree | complete (...) |) against the run's own
+    records in logs/: its eval count, tail-5 (the mean of the last five validation losses, to 4 digits) and lowest-loss
+    step from log.jsonl, its median tok/s and peak memory from the console log's `done:` line. A number typed from the
+    wrong field (a last eval for a tail-5) fails here, whichever row it is in."""
+    logs = os.path.join(HERE, "results", "temperature_study", "logs")
+    with open(os.path.join(HERE, "results", "temperature_study", "README.md")) as f:
+        rows = re.findall(r"^\| (\d+m_[\w.]+) \| [^|]+ \| \w+ \| (complete [^|]*)\|", f.read(), re.M)
+    assert len(rows) >= 19, len(rows)   # (the rows at the time of writing; more come as runs finish)
+    for name, note in rows:
+        with open(os.path.join(logs, f"{name}.log.jsonl")) as f:
+            evals = [(r["step"], r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
+        count = re.search(r"\((\d+) evals\)", note)
+        assert count and int(count[1]) == len(evals), (name, note)
+        tail5 = re.search(r"tail-5 (\d\.\d{4})", note)
+        assert tail5 and f"{sum(v for _, v in evals[-5:]) / 5:.4f}" == tail5[1], (name, tail5 and tail5[1])
+        lowest = re.search(r"lowest val loss at step ([\d,]+)", note)
+        if lowest:
+            assert min(evals, key=lambda e: e[1])[0] == int(lowest[1].replace(",", "")), (name, lowest[1])
+        speed, peak = re.search(r"([\d,]+) tok/s median", note), re.search(r"([\d.]+) GB peak allocated", note)
+        if speed or peak:
+            with open(os.path.join(logs, f"{name}.txt")) as f:
+                done = [ln for ln in f if ln.startswith("done:")][-1]
+            assert not speed or f"median {speed[1]} tok/s" in done, (name, done)
+            assert not peak or f"peak mem {peak[1]} GB" in done, (name, done)
+
+
 def test_study_power_is_the_noncentral_t():
     """report.py's power of the paired t-test, by integrating the noncentral t numerically, against reference values
     of scipy.stats.nct (effect in standard deviations, seeds, the exact two-sided 95% critical t): the size of the
