@@ -24,22 +24,22 @@ def write_eval_log(path, v):
 def test_study_run_tables_agree_with_their_logs():
     """Every run row of the temperature study's README (| name | card | tree | complete (...) |) against the run's own
     records in logs/: its eval count, tail-5 (the mean of the last five validation losses, to 4 digits) and lowest-loss
-    step from log.jsonl, its median tok/s and peak memory from the console log's `done:` line. A number typed from the
-    wrong field (a last eval for a tail-5) fails here, whichever row it is in."""
+    step from log.jsonl (as report.py reads them), its median tok/s and peak memory from the console log's `done:` line.
+    A number typed from the wrong field (a last eval for a tail-5) fails here, whichever row it is in."""
+    study = load_module(os.path.join(HERE, "results", "temperature_study", "report.py"))
     logs = os.path.join(HERE, "results", "temperature_study", "logs")
     with open(os.path.join(HERE, "results", "temperature_study", "README.md")) as f:
         rows = re.findall(r"^\| (\d+m_[\w.]+) \| [^|]+ \| \w+ \| (complete [^|]*)\|", f.read(), re.M)
     assert len(rows) >= 19, len(rows)   # (the rows at the time of writing; more come as runs finish)
     for name, note in rows:
-        with open(os.path.join(logs, f"{name}.log.jsonl")) as f:
-            evals = [(r["step"], r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
+        run = study.load(os.path.join(logs, f"{name}.log.jsonl"))
         count = re.search(r"\((\d+) evals\)", note)
-        assert count and int(count[1]) == len(evals), (name, note)
+        assert count and int(count[1]) == len(run["evals"]), (name, note)
         tail5 = re.search(r"tail-5 (\d\.\d{4})", note)
-        assert tail5 and f"{sum(v for _, v in evals[-5:]) / 5:.4f}" == tail5[1], (name, tail5 and tail5[1])
+        assert tail5 and f"{run['tail']:.4f}" == tail5[1], (name, tail5 and tail5[1])
         lowest = re.search(r"lowest val loss at step ([\d,]+)", note)
         if lowest:
-            assert min(evals, key=lambda e: e[1])[0] == int(lowest[1].replace(",", "")), (name, lowest[1])
+            assert run["best"] == int(lowest[1].replace(",", "")), (name, lowest[1])
         speed, peak = re.search(r"([\d,]+) tok/s median", note), re.search(r"([\d.]+) GB peak allocated", note)
         if speed or peak:
             with open(os.path.join(logs, f"{name}.txt")) as f:
