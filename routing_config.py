@@ -94,6 +94,11 @@ def _other_card(config):
     return "" if "H200" in gpu else f"; the H200's table on this {gpu}, which has no table of its own"
 
 
+def _spec(value):
+    """What Triton can specialise a kernel on in one argument: a tensor's dtype and 16-byte alignment, else the value."""
+    return (value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor) else value
+
+
 class Launch:
     """One kernel at one grid and warp count, with the arguments that stay fixed for a pass (its buffers, widths, tile
     shapes, flags) bound once, and the rest given by name on each call. The kernel gets them all positionally, in its
@@ -101,10 +106,14 @@ class Launch:
     and looks up every argument at every call (BENCHMARKS has the host cost per launch): so the first launch of each
     key goes through Triton, which compiles or finds the kernel and returns it, and later launches with that key call
     the compiled kernel itself (Triton's public CompiledKernel[grid](*args), given what Triton's own launch gives it).
-    The key holds all Triton can specialise on among the per-call arguments (a tensor's dtype and 16-byte alignment,
-    any other value itself) and the current device (a compiled kernel's handles are its device's); the bound arguments
-    are the same at every call. Under the interpreter, and on Triton before 3.3 (whose compiled kernels took another
-    argument list), every launch is Triton's."""
+    The key holds all Triton can specialise on among the per-call arguments (_spec) and the current device (a compiled
+    kernel's handles are its device's); the bound arguments are the same at every call. A kernel Triton returned is
+    also kept for every Launch of the same kernel, warps and bound arguments' specs (COMPILED): a pass without a
+    backward makes a chain of its own (FusedRouter.start), whose launches would otherwise each be a first. Under the
+    interpreter, and on Triton before 3.3 (whose compiled kernels took another argument list), every launch is
+    Triton's."""
+
+    COMPILED = {}   # (kernel, warps, bound arguments' specs, key) -> the kernel Triton returned, for every Launch
 
     def __init__(self, kernel, grid, num_warps, per_call, **bound):
         names = list(kernel.arg_names)
@@ -117,6 +126,7 @@ class Launch:
         self.slot = {name: names.index(name) for name in per_call}
         self.kernel = kernel[grid]
         self.compiled = None if INTERPRET or triton_version() < (3, 3) else {}   # key -> its compiled kernel's launch
+        self.shared = (kernel, num_warps, *map(_spec, self.template))   # (a per-call slot's None: the same in each)
 
     def __call__(self, **per_call):
         if per_call.keys() != self.slot.keys():
@@ -127,13 +137,17 @@ class Launch:
         if self.compiled is None:
             self.kernel(*args, num_warps=self.num_warps)
             return
-        key = (torch.cuda.current_device(), *[(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v
-                                              for v in map(per_call.__getitem__, self.slot)])
+        key = (torch.cuda.current_device(), *map(_spec, map(per_call.__getitem__, self.slot)))
         launch = self.compiled.get(key)
         if launch is not None:
             launch(*args)
-        else:   # Triton launches it, and returns the kernel it compiled or found
-            self.compiled[key] = self.kernel(*args, num_warps=self.num_warps)[self.grid]
+            return
+        compiled = self.COMPILED.get((self.shared, key))
+        if compiled is None:   # Triton launches it, and returns the kernel it compiled or found
+            compiled = self.COMPILED[self.shared, key] = self.kernel(*args, num_warps=self.num_warps)
+        else:
+            compiled[self.grid](*args)
+        self.compiled[key] = compiled[self.grid]
 
 
 def triton_version():

@@ -704,8 +704,9 @@ def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order
     with the grid and warps; a name missing, unknown or given twice fails when the launch is made, a call that names
     other per-call arguments fails before it launches. On a GPU (faked here: no interpreter, a current device) the
     first call of each key goes through Triton and later ones call the kernel it returned, the key being what Triton
-    can specialise on: a tensor's dtype and 16-byte alignment, any other value itself. Under the interpreter, or on
-    Triton before 3.3, every call is Triton's."""
+    can specialise on: a tensor's dtype and 16-byte alignment, any other value itself; another Launch of the same
+    kernel, warps and bound arguments calls it too. Under the interpreter, or on Triton before 3.3, every call is
+    Triton's."""
     calls = []
 
     class Kernel:   # what Launch reads of a Triton kernel: its argument names and [grid](*args, num_warps)
@@ -720,7 +721,9 @@ def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order
 
     monkeypatch.setattr(rc, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    launch = rc.Launch(Kernel(), (3,), 2, ("B", "n"), A="a", FLAG=True)
+    monkeypatch.setattr(rc.Launch, "COMPILED", {})
+    kernel = Kernel()
+    launch = rc.Launch(kernel, (3,), 2, ("B", "n"), A="a", FLAG=True)
     launch(n=5, B="b")
     launch(B="c", n=6)
     assert calls == [("triton", (3,), ("a", 5, "b", True), 2), ("triton", (3,), ("a", 6, "c", True), 2)]
@@ -731,6 +734,11 @@ def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order
                     (other, "triton"), (buf[:4], "compiled")]:   # (aligned, aligned, off by 4 bytes, ...; float64)
         launch(B=B, n=7)
         assert calls[-1][0] == path and calls[-1][2][2] is B, (B.data_ptr() % 16, B.dtype, calls[-1][0])
+    # another Launch of the kernel with the same warps and bound arguments (another pass's chain) calls what Triton
+    # returned to the first, at its own grid; other warps or another bound value are another kernel
+    for grid, warps, flag, path in [((4,), 2, True, "compiled"), ((4,), 4, True, "triton"), ((4,), 2, False, "triton")]:
+        rc.Launch(kernel, grid, warps, ("B", "n"), A="a", FLAG=flag)(B="c", n=6)
+        assert calls[-1][:3] == (path, (4,), ("a", 6, "c", flag))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)   # another device: its own kernels
     launch(B=buf[:4], n=7)
     assert calls[-1][0] == "triton"
@@ -756,10 +764,13 @@ def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order
                     "keys on the CPU)")
 @pytest.mark.parametrize("blocks", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_chains_later_passes_launch_the_compiled_kernels_with_the_same_results(dtype, blocks):
+def test_a_chains_later_passes_launch_the_compiled_kernels_with_the_same_results(monkeypatch, dtype, blocks):
     """After a chain's first pass every launch of a second pass calls a kernel Triton compiled in the first (Triton's
-    own launch is made to fail), and both passes' outputs and gradients are bitwise equal; sources off 16-byte
-    alignment are new keys, which go through Triton once and give the same values."""
+    own launch is made to fail), and both passes' outputs and gradients are bitwise equal; so do the launches of a
+    pass without a backward, whose chain is made anew each pass; sources off 16-byte alignment are new keys, which go
+    through Triton once and give the same values."""
+    import routing_block
+    monkeypatch.setattr(rc.Launch, "COMPILED", {})
     N, B, T, d, H = 5, 2, 33, 96, 4
     src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=11)
     router = bench_routing.fused_router(N, H, 1e-6, None, blocks)
@@ -774,6 +785,21 @@ def test_a_chains_later_passes_launch_the_compiled_kernels_with_the_same_results
     for launch in launches:
         launch.kernel = lambda *args, num_warps: pytest.fail("a second pass's launch went through Triton")
     assert all(torch.equal(a, b) for a, b in zip(first, run(sublayer)))
+
+    @torch.no_grad()
+    def no_backward():   # a chain of its own (FusedRouter.start)
+        chain = router.start(src0.to(dtype))
+        return run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), src0.to(dtype), N, sublayer)
+    inference = no_backward()
+
+    class NoTriton(rc.Launch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.kernel = lambda *args, num_warps: pytest.fail("a second pass's launch went through Triton")
+    with monkeypatch.context() as m:
+        m.setattr(rk, "Launch", NoTriton)
+        m.setattr(routing_block, "Launch", NoTriton)
+        assert torch.equal(inference, no_backward())
 
     def counted(triton_launch):
         return lambda *args, num_warps: triton_calls.append(args) or triton_launch(*args, num_warps=num_warps)
