@@ -121,7 +121,7 @@ class Launch:
         if given != set(names) or set(bound) & set(per_call):
             raise TypeError(f"Launch({kernel.__name__}): missing {sorted(set(names) - given)}, unknown "
                             f"{sorted(given - set(names))}, both bound and per call {sorted(set(bound) & set(per_call))}")
-        self.num_warps, self.bound, self.grid = num_warps, bound, grid
+        self.num_warps, self.bound, self.grid = num_warps, bound, (*grid, 1, 1)[:3]   # (a compiled kernel's: 3 axes)
         self.template = [bound.get(name) for name in names]
         self.slot = {name: names.index(name) for name in per_call}
         self.kernel = kernel[grid]

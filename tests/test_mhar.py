@@ -728,7 +728,7 @@ def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order
     launch(B="c", n=6)
     assert calls == [("triton", (3,), ("a", 5, "b", True), 2), ("triton", (3,), ("a", 6, "c", True), 2)]
     launch(n=6, B="c")
-    assert calls[-1] == ("compiled", (3,), ("a", 6, "c", True))
+    assert calls[-1] == ("compiled", (3, 1, 1), ("a", 6, "c", True))   # (a compiled kernel takes 3 axes)
     buf, other = torch.zeros(9), torch.zeros(8, dtype=torch.float64)
     for B, path in [(buf[:8], "triton"), (buf[4:], "compiled"), (buf[1:], "triton"), (buf[5:], "compiled"),
                     (other, "triton"), (buf[:4], "compiled")]:   # (aligned, aligned, off by 4 bytes, ...; float64)
@@ -738,7 +738,7 @@ def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order
     # returned to the first, at its own grid; other warps or another bound value are another kernel
     for grid, warps, flag, path in [((4,), 2, True, "compiled"), ((4,), 4, True, "triton"), ((4,), 2, False, "triton")]:
         rc.Launch(kernel, grid, warps, ("B", "n"), A="a", FLAG=flag)(B="c", n=6)
-        assert calls[-1][:3] == (path, (4,), ("a", 6, "c", flag))
+        assert calls[-1][:3] == (path, (4,) if path == "triton" else (4, 1, 1), ("a", 6, "c", flag))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)   # another device: its own kernels
     launch(B=buf[:4], n=7)
     assert calls[-1][0] == "triton"
