@@ -114,6 +114,7 @@ class Launch:
     Triton's."""
 
     COMPILED = {}   # (kernel, warps, bound arguments' specs, key) -> the kernel Triton returned, for every Launch
+    COMPILED_MAX = 4096   # entries; past it COMPILED starts again (an eval of many sequence lengths adds one a length)
 
     def __init__(self, kernel, grid, num_warps, per_call, **bound):
         names = list(kernel.arg_names)
@@ -144,6 +145,8 @@ class Launch:
             return
         compiled = self.COMPILED.get((self.shared, key))
         if compiled is None:   # Triton launches it, and returns the kernel it compiled or found
+            if len(self.COMPILED) >= self.COMPILED_MAX:
+                self.COMPILED.clear()
             compiled = self.COMPILED[self.shared, key] = self.kernel(*args, num_warps=self.num_warps)
         else:
             compiled[self.grid](*args)

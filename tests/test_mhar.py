@@ -739,6 +739,9 @@ def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order
     for grid, warps, flag, path in [((4,), 2, True, "compiled"), ((4,), 4, True, "triton"), ((4,), 2, False, "triton")]:
         rc.Launch(kernel, grid, warps, ("B", "n"), A="a", FLAG=flag)(B="c", n=6)
         assert calls[-1][:3] == (path, (4,) if path == "triton" else (4, 1, 1), ("a", 6, "c", flag))
+    monkeypatch.setattr(rc.Launch, "COMPILED_MAX", len(rc.Launch.COMPILED))   # full: the next new key starts it again
+    rc.Launch(kernel, (4,), 2, ("B", "n"), A="b", FLAG=True)(B="c", n=6)
+    assert calls[-1][0] == "triton" and len(rc.Launch.COMPILED) == 1
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)   # another device: its own kernels
     launch(B=buf[:4], n=7)
     assert calls[-1][0] == "triton"
