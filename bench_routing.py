@@ -135,15 +135,16 @@ def time_chain(impl, N, B, T, d, H, device, ref_compiled=None, graph=False, conf
     return do_bench(graphed(step) if graph else step, warmup=50, rep=300, return_mode="median"), mem
 
 
-def chain_grads(impl, src0, qs, gs, sublayer, up, H, config=None, blocks=None):
+def chain_grads(impl, src0, qs, gs, sublayer, up, H, config=None, blocks=None, router=None):
     """A chain of len(qs) sites from src0, fused or reference (blocks = n: block routing's): its output and every
-    gradient of <out, up>, in float64: [out, d src0, dq of every site (concatenated), dg of every site]."""
+    gradient of <out, up>, in float64: [out, d src0, dq of every site (concatenated), dg of every site]. router: the
+    fused one to run (None: a new one; one kept across calls keeps its chain, as a training run does)."""
     N = len(qs)
     s0 = src0.clone().requires_grad_(True)
     q = [x.clone().requires_grad_(True) for x in qs]
     g = [x.clone().requires_grad_(True) for x in gs]
     if impl == "fused":
-        chain = fused_router(N, H, 1e-6, config, blocks).start(s0, q, g)
+        chain = (router or fused_router(N, H, 1e-6, config, blocks)).start(s0, q, g)
         route = lambda j, x: chain.route(j, x, q[j - 1], g[j - 1])
     elif blocks:
         hist = BlockDepthHistory(range(N), (N - 1) // blocks,

@@ -94,11 +94,27 @@ def _other_card(config):
     return "" if "H200" in gpu else f"; the H200's table on this {gpu}, which has no table of its own"
 
 
+def _spec(value):
+    """What Triton can specialise a kernel on in one argument: a tensor's dtype and 16-byte alignment, else the value."""
+    return (value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor) else value
+
+
 class Launch:
     """One kernel at one grid and warp count, with the arguments that stay fixed for a pass (its buffers, widths, tile
     shapes, flags) bound once, and the rest given by name on each call. The kernel gets them all positionally, in its
-    own order. Triton binds positional arguments faster than keywords, and an eager step launches about two kernels per
-    routing site: BENCHMARKS has the host cost per launch."""
+    own order. An eager step launches about two kernels per routing site, and Triton's own launch binds, specialises
+    and looks up every argument at every call (BENCHMARKS has the host cost per launch): so the first launch of each
+    key goes through Triton, which compiles or finds the kernel and returns it, and later launches with that key call
+    the compiled kernel itself (Triton's public CompiledKernel[grid](*args), given what Triton's own launch gives it).
+    The key holds all Triton can specialise on among the per-call arguments (_spec) and the current device (a compiled
+    kernel's handles are its device's); the bound arguments are the same at every call. A kernel Triton returned is
+    also kept for every Launch of the same kernel, warps and bound arguments' specs (COMPILED): a pass without a
+    backward makes a chain of its own (FusedRouter.start), whose launches would otherwise each be a first. Under the
+    interpreter, and on Triton before 3.3 (whose compiled kernels took another argument list), every launch is
+    Triton's."""
+
+    COMPILED = {}   # (kernel, warps, bound arguments' specs, key) -> the kernel Triton returned, for every Launch
+    COMPILED_MAX = 4096   # entries; past it COMPILED starts again (an eval of many sequence lengths adds one a length)
 
     def __init__(self, kernel, grid, num_warps, per_call, **bound):
         names = list(kernel.arg_names)
@@ -106,18 +122,41 @@ class Launch:
         if given != set(names) or set(bound) & set(per_call):
             raise TypeError(f"Launch({kernel.__name__}): missing {sorted(set(names) - given)}, unknown "
                             f"{sorted(given - set(names))}, both bound and per call {sorted(set(bound) & set(per_call))}")
-        self.num_warps, self.bound = num_warps, bound
+        self.num_warps, self.bound, self.grid = num_warps, bound, (*grid, 1, 1)[:3]   # (a compiled kernel's: 3 axes)
         self.template = [bound.get(name) for name in names]
         self.slot = {name: names.index(name) for name in per_call}
         self.kernel = kernel[grid]
+        self.compiled = None if INTERPRET or triton_version() < (3, 3) else {}   # key -> its compiled kernel's launch
+        self.shared = (kernel, num_warps, *map(_spec, self.template))   # (a per-call slot's None: the same in each)
 
     def __call__(self, **per_call):
         if per_call.keys() != self.slot.keys():
             raise TypeError(f"Launch: given {sorted(per_call)}, expected {sorted(self.slot)}")
         args = self.template.copy()
-        for name, value in per_call.items():
-            args[self.slot[name]] = value
-        self.kernel(*args, num_warps=self.num_warps)
+        for name, slot in self.slot.items():
+            args[slot] = per_call[name]
+        if self.compiled is None:
+            self.kernel(*args, num_warps=self.num_warps)
+            return
+        key = (torch.cuda.current_device(), *map(_spec, map(per_call.__getitem__, self.slot)))
+        launch = self.compiled.get(key)
+        if launch is not None:
+            launch(*args)
+            return
+        compiled = self.COMPILED.get((self.shared, key))
+        if compiled is None:   # Triton launches it, and returns the kernel it compiled or found
+            if len(self.COMPILED) >= self.COMPILED_MAX:
+                self.COMPILED.clear()
+            compiled = self.COMPILED[self.shared, key] = self.kernel(*args, num_warps=self.num_warps)
+        else:
+            compiled[self.grid](*args)
+        self.compiled[key] = compiled[self.grid]
+
+
+def triton_version():
+    """Triton's (major, minor)."""
+    import triton
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])
 
 
 def op_namespace(module, home, op):

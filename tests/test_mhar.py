@@ -699,29 +699,122 @@ def test_fused_routing_config_for_and_launch():
     check_fused_chain(5, 1, 33, 96, 4, torch.float32, config)
 
 
-def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order():
+def test_launch_binds_a_pass_once_and_passes_every_argument_in_the_kernels_order(monkeypatch):
     """routing_config.Launch: the bound and per-call arguments reach the kernel positionally in its signature's order,
     with the grid and warps; a name missing, unknown or given twice fails when the launch is made, a call that names
-    other per-call arguments fails before it launches."""
+    other per-call arguments fails before it launches. On a GPU (faked here: no interpreter, a current device) the
+    first call of each key goes through Triton and later ones call the kernel it returned, the key being what Triton
+    can specialise on: a tensor's dtype and 16-byte alignment, any other value itself; another Launch of the same
+    kernel, warps and bound arguments calls it too. Under the interpreter, or on Triton before 3.3, every call is
+    Triton's."""
     calls = []
 
     class Kernel:   # what Launch reads of a Triton kernel: its argument names and [grid](*args, num_warps)
         __name__, arg_names = "k", ["A", "n", "B", "FLAG"]
 
         def __getitem__(self, grid):
-            return lambda *args, num_warps: calls.append((grid, args, num_warps))
+            return lambda *args, num_warps: calls.append(("triton", grid, args, num_warps)) or Compiled()
 
-    launch = rc.Launch(Kernel(), (3,), 2, ("B", "n"), A="a", FLAG=True)
+    class Compiled:   # what Triton's launch returns, a CompiledKernel: [grid](*args) launches it
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("compiled", grid, args))
+
+    monkeypatch.setattr(rc, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(rc.Launch, "COMPILED", {})
+    kernel = Kernel()
+    launch = rc.Launch(kernel, (3,), 2, ("B", "n"), A="a", FLAG=True)
     launch(n=5, B="b")
     launch(B="c", n=6)
-    assert calls == [((3,), ("a", 5, "b", True), 2), ((3,), ("a", 6, "c", True), 2)]
+    assert calls == [("triton", (3,), ("a", 5, "b", True), 2), ("triton", (3,), ("a", 6, "c", True), 2)]
+    launch(n=6, B="c")
+    assert calls[-1] == ("compiled", (3, 1, 1), ("a", 6, "c", True))   # (a compiled kernel takes 3 axes)
+    buf, other = torch.zeros(9), torch.zeros(8, dtype=torch.float64)
+    for B, path in [(buf[:8], "triton"), (buf[4:], "compiled"), (buf[1:], "triton"), (buf[5:], "compiled"),
+                    (other, "triton"), (buf[:4], "compiled")]:   # (aligned, aligned, off by 4 bytes, ...; float64)
+        launch(B=B, n=7)
+        assert calls[-1][0] == path and calls[-1][2][2] is B, (B.data_ptr() % 16, B.dtype, calls[-1][0])
+    # another Launch of the kernel with the same warps and bound arguments (another pass's chain) calls what Triton
+    # returned to the first, at its own grid; other warps or another bound value are another kernel
+    for grid, warps, flag, path in [((4,), 2, True, "compiled"), ((4,), 4, True, "triton"), ((4,), 2, False, "triton")]:
+        rc.Launch(kernel, grid, warps, ("B", "n"), A="a", FLAG=flag)(B="c", n=6)
+        assert calls[-1][:3] == (path, (4,) if path == "triton" else (4, 1, 1), ("a", 6, "c", flag))
+    monkeypatch.setattr(rc.Launch, "COMPILED_MAX", len(rc.Launch.COMPILED))   # full: the next new key starts it again
+    rc.Launch(kernel, (4,), 2, ("B", "n"), A="b", FLAG=True)(B="c", n=6)
+    assert calls[-1][0] == "triton" and len(rc.Launch.COMPILED) == 1
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)   # another device: its own kernels
+    launch(B=buf[:4], n=7)
+    assert calls[-1][0] == "triton"
+    for interpret, version in [(True, (3, 3)), (False, (3, 2))]:
+        monkeypatch.setattr(rc, "INTERPRET", interpret)
+        monkeypatch.setattr(rc, "triton_version", lambda: version)
+        every = rc.Launch(Kernel(), (1,), 1, ("B", "n"), A="a", FLAG=False)
+        every(B="b", n=1)
+        every(B="b", n=1)
+        assert [c[0] for c in calls[-2:]] == ["triton", "triton"]
+    n_calls = len(calls)
     for per_call, bound, says in [(("B",), dict(A=1, FLAG=1), "missing ['n']"), (("B", "n", "X"), dict(A=1, FLAG=1),
                                   "unknown ['X']"), (("B", "n"), dict(A=1, n=1, FLAG=1), "per call ['n']")]:
         with pytest.raises(TypeError, match=re.escape(says)):
             rc.Launch(Kernel(), (1,), 1, per_call, **bound)
     with pytest.raises(TypeError, match=re.escape("given ['B'], expected ['B', 'n']")):
         launch(B="b")
-    assert len(calls) == 2
+    assert len(calls) == n_calls
+
+
+@pytest.mark.skipif(DEVICE == "cpu" or rc.triton_version() < (3, 3), reason="compiled kernels are a GPU's, "
+                    "called again from Triton 3.3 on: else every launch is Triton's (the Launch test above checks the "
+                    "keys on the CPU)")
+@pytest.mark.parametrize("blocks", [None, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chains_later_passes_launch_the_compiled_kernels_with_the_same_results(monkeypatch, dtype, blocks):
+    """After a chain's first pass every launch of a second pass calls a kernel Triton compiled in the first (Triton's
+    own launch is made to fail), and both passes' outputs and gradients are bitwise equal; so do the launches of a
+    pass without a backward, whose chain is made anew each pass; sources off 16-byte alignment are new keys, which go
+    through Triton once and give the same values."""
+    import routing_block
+    monkeypatch.setattr(rc.Launch, "COMPILED", {})
+    N, B, T, d, H = 5, 2, 33, 96, 4
+    src0, qs, gs, shift, up = chain_inputs(N, B, T, d, seed=11)
+    router = bench_routing.fused_router(N, H, 1e-6, None, blocks)
+    sublayer = lambda j, x: torch.tanh(x) + shift[j].to(x.dtype)
+    run = lambda sub: bench_routing.chain_grads("fused", src0.to(dtype), qs, gs, sub, up, H, blocks=blocks,
+                                                router=router)
+    first = run(sublayer)
+    launches = [x for v in vars(router.chain).values() for x in (v.values() if isinstance(v, dict) else [v])
+                if isinstance(x, rc.Launch)]
+    assert any(launch.compiled for launch in launches)
+    triton_calls, own = [], [launch.kernel for launch in launches]
+    for launch in launches:
+        launch.kernel = lambda *args, num_warps: pytest.fail("a second pass's launch went through Triton")
+    assert all(torch.equal(a, b) for a, b in zip(first, run(sublayer)))
+
+    @torch.no_grad()
+    def no_backward():   # a chain of its own (FusedRouter.start)
+        chain = router.start(src0.to(dtype))
+        return run_chain(lambda j, x: chain.route(j, x, qs[j - 1], gs[j - 1]), src0.to(dtype), N, sublayer)
+    inference = no_backward()
+
+    class NoTriton(rc.Launch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.kernel = lambda *args, num_warps: pytest.fail("a second pass's launch went through Triton")
+    with monkeypatch.context() as m:
+        m.setattr(rk, "Launch", NoTriton)
+        m.setattr(routing_block, "Launch", NoTriton)
+        assert torch.equal(inference, no_backward())
+
+    def counted(triton_launch):
+        return lambda *args, num_warps: triton_calls.append(args) or triton_launch(*args, num_warps=num_warps)
+    for launch, triton_launch in zip(launches, own):
+        launch.kernel = counted(triton_launch)
+
+    def off_16_bytes(x):   # the same values, one element past an aligned start
+        return torch.cat([x.new_zeros(1), x.flatten()])[1:].view_as(x)
+    unaligned = run(lambda j, x: off_16_bytes(sublayer(j, x)))   # (a kernel compiled for it: its vector widths, and
+    for a, b in zip(first, unaligned):                           # with them its sums' order, may differ)
+        assert rel_err(b, a) < (1e-6 if dtype == torch.float32 else 1e-2), rel_err(b, a)
+    assert triton_calls and any(a.data_ptr() % 16 for args in triton_calls for a in args if isinstance(a, torch.Tensor))
 
 
 def test_fused_routing_announces_its_config():

@@ -1,7 +1,9 @@
-# Triton's host cost per launch against the number and kind of arguments (keywords against positional), and the
-# eager routing chain's host time per site at 350M's width and depth (49 sites, d 1024, H 8) and B 8 x T 1024, with a
-# cProfile of its forward. On a GPU, from the repository root:
-#   python results/launch_cost/launch_probe.py   (launch_probe_h100.txt: one H100 80GB, tree 2701d00)
+# Triton's host cost per launch against the number and kind of arguments (keywords, positional, and the kernel Triton
+# returned called again: CompiledKernel[grid](*args), which routing_config.Launch calls after a key's first launch),
+# and the eager routing chain's host time per site at 350M's width and depth (49 sites, d 1024, H 8) and B 8 x T 1024,
+# with a cProfile of its forward. On a GPU, from the repository root:
+#   python results/launch_cost/launch_probe.py [--launches]   (--launches: the table alone)
+#   (launch_probe_h100.txt: one H100 80GB, tree 2701d00, before the compiled column)
 import importlib.util, os, sys, tempfile, time
 import torch, triton
 sys.path.insert(0, os.getcwd())
@@ -23,13 +25,16 @@ def host_us(fn, n=3000):
 
 x = torch.zeros(1024, device="cuda")
 print(f"triton {triton.__version__} torch {torch.__version__} {torch.cuda.get_device_name()}")
-print("| pointers | ints | constexprs | host us per launch (kwargs) | (positional) |")
+print("| pointers | ints | constexprs | host us per launch (kwargs) | (positional) | (compiled, positional) |")
 for n_ptr, n_int, n_const in ((1, 0, 0), (4, 2, 2), (16, 4, 8), (24, 6, 12), (32, 8, 14), (16, 0, 0), (16, 8, 0), (1, 0, 16)):
     k, ptrs, ints, cs = make(n_ptr, n_int, n_const)
     kw = {**{p: x for p in ptrs}, **{i: 7 for i in ints}, **{c: 3 for c in cs}}
     pos = list(kw.values())
     a = host_us(lambda: k[(4,)](**kw)); b = host_us(lambda: k[(4,)](*pos))
-    print(f"| {n_ptr} | {n_int} | {n_const} | {a:.1f} | {b:.1f} |")
+    compiled = k[(4,)](*pos)[(4, 1, 1)]; c = host_us(lambda: compiled(*pos))
+    print(f"| {n_ptr} | {n_int} | {n_const} | {a:.1f} | {b:.1f} | {c:.1f} |")
+if "--launches" in sys.argv:
+    sys.exit()
 
 # the chain, eager, at 350M's width and depth (49 sites, d 1024, H 8), B 8 x T 1024
 from routing_kernel import FusedRouter

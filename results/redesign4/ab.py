@@ -16,8 +16,9 @@ import sys
 import torch
 
 HERE = os.getcwd()
-NAMES = ("bench", "bench_routing", "model", "train", "graphs", "checkpoint", "generation", "prepare_data", "metrics",
-         "routing_call", "routing_config", "routing_kernel", "routing_block", "common", "tokenizer", "configurator")
+BEFORE = os.path.abspath(sys.argv[1])
+# every module either tree has: each tree imports its own (a name left out would be shared, the first tree's)
+NAMES = sorted({f[:-3] for tree in (BEFORE, HERE) for f in os.listdir(tree) if f.endswith(".py")})
 
 
 def load(path):
@@ -38,7 +39,7 @@ def use(tree):   # a tree's lazy imports (model.py's routing files) resolve to i
     return tree
 
 
-before, after = load(os.path.abspath(sys.argv[1])), load(HERE)
+before, after = load(BEFORE), load(HERE)
 out, scales = sys.argv[2], [a for a in sys.argv[3:] if not a.startswith("--")]
 graphed = "--eager" not in sys.argv
 rounds = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--rounds=")), 1))
