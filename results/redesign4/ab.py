@@ -7,7 +7,10 @@
 # --cuda_graph=False), as FSDP and --cuda_graph=False training do. Part (4), the direct launcher on and off in one
 # tree (launcher_h100.*), ran at 0df7054, the last tree with the launcher: `git show 0df7054:results/redesign4/ab.py`.
 #   python results/redesign4/ab.py BEFORE_DIR OUT.json [--rounds=R] [--skip-bitwise] [--skip-chain] [--skip-trees]
-#       [--eager] [--widths=DxH,...] [SCALE ...]   (--widths: part 1 at these widths only, e.g. several processes at once)
+#       [--eager] [--widths=DxH,...] [--variants=baseline,V,...] [--steps=S] [SCALE ...]
+#   (--widths: part 1 at these widths only, e.g. several processes at once; --variants: part 3's, the baseline first,
+#   as each costs a compile a tree and round; --steps: timed steps a reading, 20 unless told: more, where the host's
+#   jitter moves an eager step)
 import importlib
 import json
 import os
@@ -86,6 +89,9 @@ for d, H, B, T in ([] if "--skip-chain" in sys.argv else SHAPES):
     json.dump(record, open(out, "w"), indent=1)
 
 VARIANTS = ("baseline", "mhar_fused", "attnres_fused", "mhar_block8")
+VARIANTS = tuple(next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--variants=")), VARIANTS))
+assert VARIANTS[0] == "baseline", f"--variants={','.join(VARIANTS)}: the ratios are to the baseline; name it first"
+STEPS = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--steps=")), 20))
 
 
 def ratios_of(rows, key, keys, scale):
@@ -110,7 +116,7 @@ for i, (r, scale) in enumerate((r, s) for r in range(rounds) for s in ([] if "--
     for name in (("before", "after") if i % 2 == 0 else ("after", "before")):
         bench = use(before if name == "before" else after)["bench"]
         for variant in VARIANTS:
-            row = bench.bench_one(scale, variant, "cuda", 20, 5, True, bench.PAPER_VOCAB, None, graphed)
+            row = bench.bench_one(scale, variant, "cuda", STEPS, 5, True, bench.PAPER_VOCAB, None, graphed)
             record["trees"].append(dict(tree=name, round=r, **row))
             print(f"tree {scale} {variant:14s} {name:6s} {row['tok_s']:>10,.0f} tok/s {row['step_ms']:7.2f} ms", flush=True)
             json.dump(record, open(out, "w"), indent=1)
