@@ -76,14 +76,12 @@ def config_for(d, heads):
     entry of the same width whose head count is nearest (fewer on a tie); else DEFAULT. A borrowed tile holds as much:
     a gather program holds a token's d channels over every head, a forward program BLOCK_M x d/H of one head's, so a
     tile of the same element count holds the same data at any head count (the per-head scalars aside)."""
-    tuned = TUNED_H200.get((d, heads))
-    if tuned is not None:
-        return replace(DEFAULT, name=f"H200 d={d} H={heads}", **tuned)
-    near = sorted((abs(math.log2(h / heads)), h) for w, h in TUNED_H200 if w == d and h > 1) if heads > 1 else []
-    if not near:
-        return DEFAULT
-    h = near[0][1]
-    return replace(DEFAULT, name=f"H200 d={d} H={h}, for H={heads}", **TUNED_H200[(d, h)])
+    if (d, heads) in TUNED_H200:
+        return replace(DEFAULT, name=f"H200 d={d} H={heads}", **TUNED_H200[d, heads])
+    near = min(((abs(math.log2(h / heads)), h) for w, h in TUNED_H200 if w == d and h > 1 and heads > 1),
+               default=None)
+    return DEFAULT if near is None else replace(DEFAULT, name=f"H200 d={d} H={near[1]}, for H={heads}",
+                                                **TUNED_H200[d, near[1]])
 
 
 @functools.cache   # once per (config, width)
