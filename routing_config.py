@@ -73,15 +73,19 @@ TUNED_H200 = {
 
 def config_for(d, heads):
     """The launch settings for width d and `heads` routing heads: the tuned entry; for several heads without one, the
-    entry of the same width whose head count is nearest (fewer on a tie); else DEFAULT. A borrowed tile holds as much:
-    a gather program holds a token's d channels over every head, a forward program BLOCK_M x d/H of one head's, so a
-    tile of the same element count holds the same data at any head count (the per-head scalars aside)."""
+    full routing's settings of the same width's entry whose head count is nearest (fewer on a tie); else DEFAULT. A
+    borrowed tile holds as much: a gather program holds a token's d channels over every head, a forward program
+    BLOCK_M x d/H of one head's, so a tile of the same element count holds the same data at any head count (the
+    per-head scalars aside). Block routing's settings are not borrowed: at d 768 with 8 heads H 4's were slower than
+    DEFAULT's (BENCHMARKS). Traced by torch.compile: plain lists, no min(default=)."""
     if (d, heads) in TUNED_H200:
         return replace(DEFAULT, name=f"H200 d={d} H={heads}", **TUNED_H200[d, heads])
-    near = min(((abs(math.log2(h / heads)), h) for w, h in TUNED_H200 if w == d and h > 1 and heads > 1),
-               default=None)
-    return DEFAULT if near is None else replace(DEFAULT, name=f"H200 d={d} H={near[1]}, for H={heads}",
-                                                **TUNED_H200[d, near[1]])
+    near = [(abs(math.log2(h / heads)), h) for w, h in TUNED_H200 if w == d and h > 1 and heads > 1]
+    if not near:
+        return DEFAULT
+    h = min(near)[1]
+    full = {k: v for k, v in TUNED_H200[d, h].items() if not k.startswith("block_")}
+    return replace(DEFAULT, name=f"H200 d={d} H={h}, for H={heads}", **full)
 
 
 @functools.cache   # once per (config, width)
