@@ -5,6 +5,7 @@ H200; and the envelope the kernels take. Kept apart so that tuning a width (`pyt
 edits a table, never a kernel. The lowest of the routing files: it imports none of them.
 """
 import functools
+import math
 import os
 import sys
 from dataclasses import dataclass, fields, replace
@@ -71,9 +72,20 @@ TUNED_H200 = {
 
 
 def config_for(d, heads):
-    """The launch settings for width d and `heads` routing heads: the tuned entry, or DEFAULT."""
-    tuned = TUNED_H200.get((d, heads))
-    return DEFAULT if tuned is None else replace(DEFAULT, name=f"H200 d={d} H={heads}", **tuned)
+    """The launch settings for width d and `heads` routing heads: the tuned entry; for several heads without one, the
+    full routing's settings of the same width's entry whose head count is nearest (fewer on a tie); else DEFAULT. A
+    borrowed tile holds as much: a gather program holds a token's d channels over every head, a forward program
+    BLOCK_M x d/H of one head's, so a tile of the same element count holds the same data at any head count (the
+    per-head scalars aside). Block routing's settings are not borrowed: at d 768 with 8 heads H 4's were slower than
+    DEFAULT's (BENCHMARKS). Traced by torch.compile: plain lists, no min(default=)."""
+    if (d, heads) in TUNED_H200:
+        return replace(DEFAULT, name=f"H200 d={d} H={heads}", **TUNED_H200[d, heads])
+    near = [(abs(math.log2(h / heads)), h) for w, h in TUNED_H200 if w == d and h > 1 and heads > 1]
+    if not near:
+        return DEFAULT
+    h = min(near)[1]
+    full = {k: v for k, v in TUNED_H200[d, h].items() if not k.startswith("block_")}
+    return replace(DEFAULT, name=f"H200 d={d} H={h}, for H={heads}", **full)
 
 
 @functools.cache   # once per (config, width)

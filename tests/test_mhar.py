@@ -6,6 +6,7 @@ kernels run in Triton's interpreter.
 """
 
 import functools
+import math
 import os
 import re
 import shutil
@@ -682,12 +683,25 @@ def test_fused_routing_matches_reference(N, B, T, d, H, dtype):
 
 
 def test_fused_routing_config_for_and_launch():
-    """config_for gives a tuned width its table entry and every other width DEFAULT; a chain launches each kernel with
-    its config's (tile, warps, stages), and a custom config is what runs."""
+    """config_for gives a tuned width its table entry; several heads without one the entry of the same width with the
+    nearest head count (never the single head's) for the full routing, DEFAULT for block routing, named for both; every
+    other width DEFAULT; what torch.compile traces whole. A chain launches each kernel with its config's (tile, warps,
+    stages), and a custom config is what runs."""
     for (d, H), tuned in rc.TUNED_H200.items():
         cfg = rc.config_for(d, H)
         assert all(getattr(cfg, k) == v for k, v in tuned.items()) and cfg.call_site == rc.DEFAULT.call_site
-    assert rc.config_for(96, 4) is rc.DEFAULT and rc.config_for(512, 8) is rc.DEFAULT
+    several = {(d, H) for d, H in rc.TUNED_H200 if H > 1}
+    for d, H in [(d, H) for d, _ in several for H in (2, 4, 8, 16, 32) if (d, H) not in rc.TUNED_H200]:
+        cfg, nearest = rc.config_for(d, H), min((abs(math.log2(h / H)), h) for w, h in several if w == d)[1]
+        full = {k: v for k, v in rc.TUNED_H200[(d, nearest)].items() if not k.startswith("block_")}
+        assert cfg == replace(rc.DEFAULT, name=f"H200 d={d} H={nearest}, for H={H}", **full)
+        assert all(getattr(cfg, f) == getattr(rc.DEFAULT, f) for f in ("block_fwd", "block_bwd", "block_waves"))
+    assert rc.config_for(512, 8).name == "H200 d=512 H=4, for H=8"
+    assert rc.config_for(1024, 4).name == "H200 d=1024 H=8, for H=4"   # (1024, 1), the single head's, is not nearer
+    assert rc.config_for(96, 4) is rc.DEFAULT and rc.config_for(2048, 16) is rc.DEFAULT
+    assert rc.config_for(2048, 1) is rc.DEFAULT and rc.config_for(640, 1) is rc.DEFAULT   # a single head borrows none
+    traced = torch.compile(lambda x: x * rc.config_for(1024, 4).fwd[0] * rc.config_for(96, 2).fwd[0], fullgraph=True)
+    assert traced(torch.ones(2)).tolist() == [rc.config_for(1024, 4).fwd[0] * rc.DEFAULT.fwd[0]] * 2
     config = rc.RoutingConfig(max_block_m=16, fwd=(1024, 2, 2), gather=(256, 1, 1))
     mine = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True, config=config)
     default = rk.RoutingChain(3, 10, 96, 4, 1e-6, torch.float32, DEVICE, training=True)
