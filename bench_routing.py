@@ -4,8 +4,8 @@ sublayer between sites, fused against the reference, at the paper's Table 5 shap
 correctness against route_reference, GPU time (CUDA-graph replay) and eager wall time, GB/s by the design's byte model
 (chain_bytes), GPU time per kernel (--profile: at the training microbatches too). --shapes=NAMES picks shapes;
 --heads=H routes every shape with H heads (1: the single head); --blocks=n times block routing instead; --tune-train
-searches each width's launch settings (routing_config.tune) and prints an entry for TUNED_H200; --check-large checks
-offsets past 2^31 elements; --delta times the per-call kernels at an 8B delta model's shape; --authors=PATH and
+searches each width's launch settings (routing_config.tune) and prints its entry for the card's table; --check-large
+checks offsets past 2^31 elements; --delta times the per-call kernels at an 8B delta model's shape; --authors=PATH and
 --peers=fla,liger time ours beside the authors' kernel and the single-head kernels of fla-core and Liger-Kernel (when
 installed). See `python bench.py routing -h`.
 

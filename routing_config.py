@@ -1,8 +1,8 @@
 """
 Launch settings of the fused routing kernels (routing_call.py, routing_kernel.py, routing_block.py): per kernel the
-register tile, warps and pipelining depth; which sites share reads (lead_schedule); the entries tuned per width on an
-H200; and the envelope the kernels take. Kept apart so that tuning a width (`python bench.py routing --tune-train`)
-edits a table, never a kernel. The lowest of the routing files: it imports none of them.
+register tile, warps and pipelining depth; which sites share reads (lead_schedule); the entries tuned per width, a
+table per card; and the envelope the kernels take. Kept apart so that tuning a width (`python bench.py routing
+--tune-train`) edits a table, never a kernel. The lowest of the routing files: it imports none of them.
 """
 import functools
 import math
@@ -71,21 +71,41 @@ TUNED_H200 = {
 }
 
 
-def config_for(d, heads):
-    """The launch settings for width d and `heads` routing heads: the tuned entry; for several heads without one, the
-    full routing's settings of the same width's entry whose head count is nearest (fewer on a tie); else DEFAULT. A
-    borrowed tile holds as much: a gather program holds a token's d channels over every head, a forward program
-    BLOCK_M x d/H of one head's, so a tile of the same element count holds the same data at any head count (the
-    per-head scalars aside). Block routing's settings are not borrowed: at d 768 with 8 heads H 4's were slower than
-    DEFAULT's (BENCHMARKS). Traced by torch.compile: plain lists, no min(default=)."""
-    if (d, heads) in TUNED_H200:
-        return replace(DEFAULT, name=f"H200 d={d} H={heads}", **TUNED_H200[d, heads])
-    near = [(abs(math.log2(h / heads)), h) for w, h in TUNED_H200 if w == d and h > 1 and heads > 1]
-    if not near:
-        return DEFAULT
-    h = min(near)[1]
-    full = {k: v for k, v in TUNED_H200[d, h].items() if not k.startswith("block_")}
-    return replace(DEFAULT, name=f"H200 d={d} H={h}, for H={heads}", **full)
+# Each card's table, under a word of its name (torch.cuda.get_device_name()). A card without a table of its own, and
+# Triton's CPU interpreter, run the H200's; a table measured on another card goes in beside it (its tuner's entries).
+TABLES = {"H200": TUNED_H200}
+
+
+def table_card():
+    """The key in TABLES of the table this process runs: its GPU's own, else the H200's. Traced by torch.compile
+    (is_available and get_device_properties fold to constants there)."""
+    if not INTERPRET and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties().name
+        for card in TABLES:
+            if card in gpu:
+                return card
+    return "H200"
+
+
+def config_for(d, heads, card=None):
+    """The launch settings for width d and `heads` routing heads from card's table (None: table_card()), then, for what
+    it lacks, the H200's: the tuned entry; for several heads without one, the full routing's settings of the same
+    width's entry whose head count is nearest (fewer on a tie); else DEFAULT. A borrowed tile holds as much: a gather
+    program holds a token's d channels over every head, a forward program BLOCK_M x d/H of one head's, so a tile of the
+    same element count holds the same data at any head count (the per-head scalars aside). Block routing's settings
+    are not borrowed: at d 768 with 8 heads H 4's were slower than DEFAULT's (BENCHMARKS). Traced by torch.compile:
+    plain lists, no min(default=)."""
+    cards = list(dict.fromkeys([card or table_card(), "H200"]))
+    for c in cards:
+        if (d, heads) in TABLES[c]:
+            return replace(DEFAULT, name=f"{c} d={d} H={heads}", **TABLES[c][d, heads])
+    for c in cards:
+        near = [(abs(math.log2(h / heads)), h) for w, h in TABLES[c] if w == d and h > 1 and heads > 1]
+        if near:
+            h = min(near)[1]
+            full = {k: v for k, v in TABLES[c][d, h].items() if not k.startswith("block_")}
+            return replace(DEFAULT, name=f"{c} d={d} H={h}, for H={heads}", **full)
+    return DEFAULT
 
 
 @functools.cache   # once per (config, width)
@@ -99,11 +119,24 @@ def announce(config, d, heads):
 
 
 def _other_card(config):
-    """Said when a width's H200 entry runs on another GPU: the table is the H200's, the card was seen for what it is."""
-    if not config.name.startswith("H200") or INTERPRET or not torch.cuda.is_available():
+    """Said when a card's table entry runs on another GPU (a card without a table of its own runs the H200's): the card
+    was seen for what it is."""
+    card = config.name.split()[0]
+    if card not in TABLES or INTERPRET or not torch.cuda.is_available():
         return ""
+    gpu, own = torch.cuda.get_device_name(), table_card()
+    return "" if card in gpu else f"; the {card}'s table on this {gpu}, " + (
+        "which has no table of its own" if own == "H200" else f"whose own ({own}) has no entry here")
+
+
+def _card_said():
+    """Which table a tuned entry belongs to: the GPU's, under a word of its name in TABLES."""
+    if INTERPRET or not torch.cuda.is_available():
+        return "Triton's CPU interpreter (timings there say nothing of a GPU)"
     gpu = torch.cuda.get_device_name()
-    return "" if "H200" in gpu else f"; the H200's table on this {gpu}, which has no table of its own"
+    card = table_card()
+    return (f"this {gpu}, for TABLES[{card!r}]" if card in gpu else
+            f"this {gpu}, for a table of its own (TABLES[<a word of {gpu!r}>], beside the H200's)")
 
 
 def _spec(value):
@@ -220,11 +253,11 @@ def lead_schedule(N, lead_min, fwd_sites=1):
             frozenset(j for j in range(2, N + 1, 2) if N - j + 1 >= lead_min))  # gather j reads N - j + 1 gradients
 
 
-# ---- the tuner that writes TUNED_H200 (bench.py routing --tune-train) -------------------------------------------------
+# ---- the tuner that writes a card's table (bench.py routing --tune-train) --------------------------------------------
 
 TUNABLE = ("fwd", "fwd_lead", "fwd_lead_sites", "gather", "gather_lead", "stored_logits")   # the chain's settings
 BLOCK_TUNABLE = ("block_fwd", "block_bwd", "block_waves")   # block routing's (--blocks)
-# every setting DEFAULT and TUNED_H200 ship is a candidate, so a retune can find them again (a test checks it)
+# every setting DEFAULT and the tables ship is a candidate, so a retune can find them again (a test checks it)
 CANDIDATES = [(512, 1, 3), (512, 1, 4), (1024, 1, 3), (1024, 2, 3), (1024, 2, 4), (1024, 4, 3), (2048, 4, 3),
               (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (8192, 8, 3), (8192, 8, 4), (16384, 8, 3)]
 CHOICES = {"fwd_lead_sites": (1, 2), "stored_logits": (False, True),
@@ -235,7 +268,7 @@ def tune(kernels, shapes, time_fn, candidates=CANDIDATES):
     """Coordinate descent, from config_for(d, H), over each setting in `kernels` at each shape (name, L, d, H, B, T),
     each candidate timed by time_fn(config, L, d, H, B, T) -> ms; _lead settings may also pick None (no sharing);
     block_bwd and block_waves, when both are asked for, are searched as a product (one at a time can stop short of it).
-    Prints every timing and the entry for TUNED_H200; returns the configs."""
+    Prints every timing and each width's entry for the table of the card it ran on (TABLES); returns the configs."""
     joint = "block_bwd" in kernels and "block_waves" in kernels
     tuned = []
     for name, L, d, H, B, T in shapes:
@@ -257,6 +290,6 @@ def tune(kernels, shapes, time_fn, candidates=CANDIDATES):
             cfg = replace(cfg, **min(results)[2])
         entry = {f.name: getattr(cfg, f.name) for f in fields(cfg)
                  if f.name != "name" and getattr(cfg, f.name) != getattr(DEFAULT, f.name)}
-        print(f"tuned ({d}, {H}): {entry}", flush=True)
+        print(f"tuned ({d}, {H}) on {_card_said()}: {entry}", flush=True)
         tuned.append(cfg)
     return tuned

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from dataclasses import replace
 
 import pytest
@@ -844,16 +845,52 @@ def test_fused_routing_announces_its_config():
     assert "launch config 'H200 d=512 H=4'" in lines[1] and "fwd_lead_sites=2" in lines[1]
 
 
-@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
-def test_the_launch_line_names_the_card_of_its_table(monkeypatch, capsys, gpu):
-    """A tuned width on a GPU that is not an H200 says that the table it runs is the H200's (not a wrong detection)."""
+def fake_gpu(monkeypatch, gpu):
+    """What routing_config sees of a GPU named gpu (this process computes on the CPU)."""
     monkeypatch.setattr(rc, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(name=gpu))
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_the_launch_line_names_the_card_of_its_table(monkeypatch, capsys, gpu):
+    """A tuned width on a GPU that is not an H200 says that the table it runs is the H200's (not a wrong detection)."""
+    fake_gpu(monkeypatch, gpu)
+    assert rc.table_card() == "H200"
     rc.announce.__wrapped__(rc.config_for(512, 4), 512, 4)
     line = capsys.readouterr().err
     assert "launch config 'H200 d=512 H=4'" in line
     assert ("the H200's table on this NVIDIA H100 80GB HBM3, which has no table of its own" in line) == ("H100" in gpu)
+
+
+def test_a_card_runs_its_own_table_and_the_h200s_for_what_it_lacks(monkeypatch, capsys):
+    """A card with a table of its own (TABLES, under a word of its name) runs its entries, named for it; a width it
+    lacks takes the H200's entry (as a card without a table does), and borrowing looks in its own table first; the
+    H200 still runs the H200's. The launch line says whose table ran, and the tuner which table its entry is for."""
+    own = {(1024, 8): dict(fwd=(512, 1, 4), gather=(1024, 2, 3)), (512, 16): dict(gather=(2048, 4, 3))}
+    monkeypatch.setitem(rc.TABLES, "H100", own)
+    fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    assert rc.table_card() == "H100"
+    assert rc.config_for(1024, 8) == replace(rc.DEFAULT, name="H100 d=1024 H=8", **own[1024, 8])
+    assert rc.config_for(1024, 16) == replace(rc.DEFAULT, name="H100 d=1024 H=8, for H=16", **own[1024, 8])
+    assert rc.config_for(512, 4) == replace(rc.DEFAULT, name="H200 d=512 H=4", **rc.TUNED_H200[512, 4])
+    assert rc.config_for(512, 8).name == "H100 d=512 H=16, for H=8"   # its own table's before the H200's (H = 4)
+    assert rc.config_for(768, 8).name == "H200 d=768 H=4, for H=8" and rc.config_for(96, 4) is rc.DEFAULT
+    assert rc.config_for(1024, 8, card="H200").name == "H200 d=1024 H=8"
+    rc.announce.__wrapped__(rc.config_for(1024, 8), 1024, 8)
+    rc.announce.__wrapped__(rc.config_for(512, 4), 512, 4)
+    first, second = capsys.readouterr().err.splitlines()
+    assert "launch config 'H100 d=1024 H=8'" in first and "table" not in first
+    assert second.endswith("the H200's table on this NVIDIA H100 80GB HBM3, whose own (H100) has no entry here")
+    rc.tune(["fwd"], [("tiny-train", 2, 1024, 8, 1, 16)], lambda cfg, *shape: 1.0, candidates=[(512, 1, 4)])
+    assert "tuned (1024, 8) on this NVIDIA H100 80GB HBM3, for TABLES['H100']:" in capsys.readouterr().out
+    fake_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB")
+    rc.tune(["fwd"], [("tiny-train", 2, 1024, 8, 1, 16)], lambda cfg, *shape: 1.0, candidates=[(512, 1, 4)])
+    assert ("on this NVIDIA A100-SXM4-80GB, for a table of its own (TABLES[<a word of 'NVIDIA A100-SXM4-80GB'>], "
+            "beside the H200's)") in capsys.readouterr().out
+    fake_gpu(monkeypatch, "NVIDIA H200")
+    assert rc.table_card() == "H200" and rc.config_for(1024, 8).name == "H200 d=1024 H=8"
 
 
 def led_outputs(N, dtype, config):
@@ -1232,6 +1269,7 @@ def chain(route, N, H, blocks=None):   # N sites with x -> tanh(x) + shift betwe
 
 CHANGED_ROUTING = ROUTED_CHAIN + """
 import sys
+import types
 from routing_call import route_stack
 device, errs = sys.argv[1], []
 rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()
@@ -1356,7 +1394,7 @@ def test_tune_picks_each_settings_best():
 def test_tune_candidates_cover_the_configs():
     """bench.py routing --tune-train can find every config shipped (else a retune silently drops a best)."""
     for name in rc.TUNABLE + rc.BLOCK_TUNABLE:
-        used = {getattr(rc.DEFAULT, name)} | {w[name] for w in rc.TUNED_H200.values() if name in w}
+        used = {getattr(rc.DEFAULT, name)} | {w[name] for t in rc.TABLES.values() for w in t.values() if name in w}
         choices = rc.CHOICES.get(name, rc.CANDIDATES + ([None] if name.endswith("_lead") else []))
         assert used <= set(choices), (name, used - set(choices))
 
