@@ -1269,7 +1269,6 @@ def chain(route, N, H, blocks=None):   # N sites with x -> tanh(x) + shift betwe
 
 CHANGED_ROUTING = ROUTED_CHAIN + """
 import sys
-import types
 from routing_call import route_stack
 device, errs = sys.argv[1], []
 rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()
