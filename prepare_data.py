@@ -4,7 +4,7 @@ Tokenize text into flat token files for train.py (TokenWriter), and read them ba
 Default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub (needs `datasets` and a network),
 stopping after --max_tokens training tokens. Or local files: --input= a file, a glob or a directory of
 .jsonl / .jsonl.gz / .jsonl.xz / .txt / .parquet (a `text` field per row; a .txt file is one document;
-documents.py reads them).
+documents.py reads them), up to --max_tokens too (a line says when input is left unread).
 
 Validation documents are held out by document: from --val_input when given, otherwise every k-th
 document (k = 1 / --val_fraction, starting with the first), so train and val never share a document.
@@ -285,8 +285,9 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
         bar = tqdm(total=sum(map(os.path.getsize, inputs)) if inputs else max_tokens, unit="B" if inputs else "tok",
                    unit_scale=True, desc=f"tokenizing ({workers} workers)")
         docs = read_documents(inputs, text_field, bar.update) if inputs else hub_documents(text_field)
+        stream, capped = encode_stream(docs, tokenizer, workers, eot=eot_token), False
         with bar:
-            for i, toks in enumerate(encode_stream(docs, tokenizer, workers, eot=eot_token)):
+            for i, toks in enumerate(stream):
                 if every is not None and i % every == 0:
                     if max_val_tokens is None or val.tokens < max_val_tokens:
                         val.write(toks, max_val_tokens)
@@ -296,8 +297,10 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
                     bar.set_postfix_str(f"{train.tokens:,} tokens", refresh=False)
                 else:
                     bar.update(written)
-                if max_tokens is not None and train.tokens >= max_tokens:
+                if max_tokens is not None and train.tokens >= max_tokens:   # local input left unread: said below
+                    capped = bool(inputs) and (written < len(toks) or next(stream, None) is not None)
                     break
+        stream.close()   # (its pool, before the validation documents start one of their own)
         if val_inputs:
             for toks in encode_stream(read_documents(val_inputs, text_field), tokenizer, workers, eot=eot_token):
                 val.write(toks, max_val_tokens)
@@ -329,6 +332,9 @@ def prepare(input=None, val_input=None, out_dir=None, tokenizer="gpt2", max_toke
         write_atomic(os.path.join(stage, "meta.json"), json.dumps(meta, indent=2))
     print(f"wrote {out_dir}: {train.tokens:,} train tokens ({train.docs:,} docs), "
           f"{val.tokens:,} val tokens ({val.docs:,} docs), {np.dtype(dtype).name}, {time.time() - t0:.1f}s")
+    if capped:
+        print(f"prepare_data.py: stopped at --max_tokens={max_tokens:,} before the end of {input}: the rest was not "
+              f"read; give a larger --max_tokens (e.g. --max_tokens=1e{len(str(max_tokens))}) to take all of it")
     print(f"next: python train.py config/tiny.py --data_dir={shlex.quote(out_dir)}   (config/*.py: the paper's scales)")
     return meta
 
@@ -439,7 +445,8 @@ def parser(verify=False):
     p.add_argument("--eot_token", type=Text(), default=None, help="a tokenizer.json's end-of-text token, written before "
                    "every document (default: the first it has of " + ", ".join(HFTokenizer.EOT_NAMES) + ")")
     p.add_argument("--max_tokens", type=Count(1, 10**13), default=100_000_000,
-                   help="stop after this many training tokens (default 100M; 1e9 style accepted)")
+                   help="stop after this many training tokens (default 100M; 1e9 style accepted); local input past it is left "
+                   "unread (a line says so)")
     p.add_argument("--max_val_tokens", type=Count(1, 10**13), default=None, help="cap on validation tokens (default: "
                    "none)")
     p.add_argument("--val_fraction", type=Real(0, 1, lo_open=True, hi_open=True), default=0.01,

@@ -36,21 +36,31 @@ def test_prepare_data_counts_and_round_trip(data_dir, corpus):
     assert (train_tok == enc.eot_token).sum() == len(train_docs)
 
 
-def test_prepare_data_limits_and_refusals(tmp_path, corpus, data_dir):
+def test_prepare_data_limits_and_refusals(tmp_path, corpus, data_dir, capsys):
     out = str(tmp_path / "d")
     meta = prepare_data.prepare(input=corpus, val_input=corpus, out_dir=out, max_tokens=5000, max_val_tokens=3000, workers=1)
     assert meta["train_tokens"] == 5000 and meta["val_tokens"] == 3000
+    said = "prepare_data.py: stopped at --max_tokens=5,000 before the end of"   # local input cut at the cap: said
+    assert said in capsys.readouterr().out
     assert os.path.getsize(os.path.join(out, "train.bin")) == 10000
     with pytest.raises(FileExistsError, match="--force"):
         prepare_data.prepare(input=corpus, out_dir=out, workers=1)
     meta = prepare_data.prepare(input=corpus, out_dir=out, tokenizer="cl100k_base", max_tokens=2000, workers=1, force=True)
     assert meta["dtype"] == "uint32" and meta["train_tokens"] == 2000
+    assert "stopped at --max_tokens=2,000" in capsys.readouterr().out
     txt = tmp_path / "texts"
     txt.mkdir()
     (txt / "a.txt").write_text("Hello world. " * 50)
     (txt / "b.txt").write_text("Another document. " * 50)
     meta = prepare_data.prepare(input=str(txt), out_dir=str(tmp_path / "t"), val_fraction=0.5, workers=1)
-    assert meta["train_docs"] == 1 and meta["val_docs"] == 1
+    assert meta["train_docs"] == 1 and meta["val_docs"] == 1 and "stopped at" not in capsys.readouterr().out
+    exact = meta["train_tokens"]   # a cap the input fills exactly leaves nothing unread: nothing to say
+    meta = prepare_data.prepare(input=str(txt), out_dir=str(tmp_path / "t"), val_fraction=0.5, workers=1,
+                                max_tokens=exact, force=True)
+    assert meta["train_tokens"] == exact and "stopped at" not in capsys.readouterr().out
+    prepare_data.prepare(input=str(txt), out_dir=str(tmp_path / "t"), val_fraction=0.5, workers=1,
+                         max_tokens=exact - 1, force=True)
+    assert "stopped at --max_tokens=" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError):
         prepare_data.prepare(input=str(tmp_path / "missing*.jsonl"), out_dir=str(tmp_path / "x"))
 
