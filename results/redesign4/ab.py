@@ -6,15 +6,21 @@
 # ratios to the baseline before and after. --eager: part 3 launches every kernel from Python (bench.py
 # --cuda_graph=False), as FSDP and --cuda_graph=False training do. Part (4), the direct launcher on and off in one
 # tree (launcher_h100.*), ran at 0df7054, the last tree with the launcher: `git show 0df7054:results/redesign4/ab.py`.
+# --interleave: part 3 eager, the two trees' models of a variant held at once and their steps alternated one by one
+# (the order swapped every step), so a slow phase of the host (an eager step is the host's pace) falls on both alike:
+# each variant's median step before and after, and the median of the steps' paired after/before ratios.
 #   python results/redesign4/ab.py BEFORE_DIR OUT.json [--rounds=R] [--skip-bitwise] [--skip-chain] [--skip-trees]
-#       [--eager] [--widths=DxH,...] [--variants=baseline,V,...] [--steps=S] [SCALE ...]
+#       [--eager] [--interleave] [--widths=DxH,...] [--variants=baseline,V,...] [--steps=S] [SCALE ...]
 #   (--widths: part 1 at these widths only, e.g. several processes at once; --variants: part 3's, the baseline first,
 #   as each costs a compile a tree and round; --steps: timed steps a reading, 20 unless told: more, where the host's
 #   jitter moves an eager step)
+import functools
 import importlib
 import json
 import os
 import sys
+import time
+from types import SimpleNamespace
 
 import torch
 
@@ -109,6 +115,69 @@ def say_ratios(scale, label, ratios):
     print(f"ratio {scale} {label} " + ", ".join(
         f"{v} {sum(x) / len(x):.4f}x (rounds {', '.join(f'{y:.3f}' for y in x)})" for v, x in ratios.items()), flush=True)
 
+
+def eager_step(tree, scale, variant, device="cuda", compile_model=True):
+    """bench.bench_one's step without a CUDA graph (alike in both trees), built from the tree's own modules: (step,
+    tokens a step). A step runs with the tree's modules in place (use)."""
+    bench, train = use(tree)["bench"], tree["train"]
+    model, opt, B = bench.build(scale, variant, device, compile_model, bench.PAPER_VOCAB)
+    x = torch.randint(0, model.cfg.vocab_size, (B, model.cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
+    x = x.to(device)
+    rt = SimpleNamespace(ddp=False, device=device, say=print,
+                         autocast=torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"))
+    params, zero_grad = [p for p in model.parameters() if p.requires_grad], functools.partial(opt.zero_grad, set_to_none=True)
+
+    def step():
+        loss, _ = train.run_microbatches(lambda micro: (x[:, :-1], x[:, 1:]), 1, model, None, rt)
+        train.optimizer_step(opt, params, 1.0, zero_grad=zero_grad)
+        return loss
+    return step, B * model.cfg.block_size
+
+
+def interleaved(scale, variant, steps, warmup=5, device="cuda", compile_model=True):
+    """Both trees' eager steps of one variant, alternated step by step: {tree: [seconds]}."""
+    torch._dynamo.reset()
+    trees = {"before": before, "after": after}
+    made = {k: eager_step(t, scale, variant, device, compile_model) for k, t in trees.items()}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = {k: [] for k in trees}
+    for i in range(warmup + steps):
+        for k in (("before", "after") if i % 2 == 0 else ("after", "before")):
+            use(trees[k])
+            sync()
+            t0 = time.perf_counter()
+            made[k][0]()
+            sync()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+            trees[k].update({n: sys.modules[n] for n in NAMES if n in sys.modules})   # what a step imported lazily
+    return times, made["after"][1]
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+if "--interleave" in sys.argv:
+    record["interleaved"] = []
+    for scale in scales:
+        for variant in VARIANTS:
+            times, tokens = interleaved(scale, variant, STEPS)
+            pairs = sorted(a / b for a, b in zip(times["after"], times["before"]))
+            row = dict(scale=scale, variant=variant, tokens=tokens, before_ms=1e3 * median(times["before"]),
+                       after_ms=1e3 * median(times["after"]), paired=median(pairs),
+                       paired_iqr=(pairs[len(pairs) // 4], pairs[3 * len(pairs) // 4]),
+                       each_ms={k: [round(1e3 * t, 3) for t in v] for k, v in times.items()})
+            record["interleaved"].append(row)
+            print(f"interleaved {scale} {variant:14s} before {row['before_ms']:7.2f} ms, after {row['after_ms']:7.2f} "
+                  f"ms: after/before {row['after_ms'] / row['before_ms']:.3f} (steps paired: median {row['paired']:.3f},"
+                  f" quartiles {row['paired_iqr'][0]:.3f}-{row['paired_iqr'][1]:.3f}; {STEPS} steps each)", flush=True)
+            json.dump(record, open(out, "w"), indent=1)
+        base = {r["variant"]: r for r in record["interleaved"] if r["scale"] == scale}
+        for variant in VARIANTS[1:]:   # the ratio to the baseline, each tree's: its two medians come from two pairings
+            print(f"interleaved {scale} {variant} to the baseline: before "
+                  f"{base['baseline']['before_ms'] / base[variant]['before_ms']:.4f}x, after "
+                  f"{base['baseline']['after_ms'] / base[variant]['after_ms']:.4f}x", flush=True)
 
 # (3) both trees' steps at their defaults (the ratios to the baseline before and after), the order alternating by round
 record["trees"] = []
