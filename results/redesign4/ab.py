@@ -137,6 +137,8 @@ def eager_step(tree, scale, variant, device="cuda", compile_model=True):
 def interleaved(scale, variant, steps, warmup=5, device="cuda", compile_model=True):
     """Both trees' eager steps of one variant, alternated step by step: {tree: [seconds]}."""
     torch._dynamo.reset()
+    if device == "cuda":
+        after["bench"].fresh_memory(device)   # the last variant's models go (their compiled modules hold each other)
     trees = {"before": before, "after": after}
     made = {k: eager_step(t, scale, variant, device, compile_model) for k, t in trees.items()}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -146,10 +148,13 @@ def interleaved(scale, variant, steps, warmup=5, device="cuda", compile_model=Tr
             use(trees[k])
             sync()
             t0 = time.perf_counter()
-            made[k][0]()
+            loss = made[k][0]()
             sync()
+            seconds = time.perf_counter() - t0
+            if not torch.isfinite(loss):
+                raise RuntimeError(f"{scale}/{variant} {k}: non-finite loss {loss.item()}")
             if i >= warmup:
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(seconds)
             trees[k].update({n: sys.modules[n] for n in NAMES if n in sys.modules})   # what a step imported lazily
     return times, made["after"][1]
 
