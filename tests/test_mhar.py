@@ -688,17 +688,17 @@ def test_fused_routing_config_for_and_launch():
     nearest head count (never the single head's) for the full routing, DEFAULT for block routing, named for both; every
     other width DEFAULT; what torch.compile traces whole. A chain launches each kernel with its config's (tile, warps,
     stages), and a custom config is what runs."""
-    for (d, H), tuned in rc.TUNED_H200.items():
-        cfg = rc.config_for(d, H)
+    for (d, H), tuned in rc.TUNED_H200.items():   # (the H200's table named: an H100 running this test has its own)
+        cfg = rc.config_for(d, H, card="H200")
         assert all(getattr(cfg, k) == v for k, v in tuned.items()) and cfg.call_site == rc.DEFAULT.call_site
     several = {(d, H) for d, H in rc.TUNED_H200 if H > 1}
     for d, H in [(d, H) for d, _ in several for H in (2, 4, 8, 16, 32) if (d, H) not in rc.TUNED_H200]:
-        cfg, nearest = rc.config_for(d, H), min((abs(math.log2(h / H)), h) for w, h in several if w == d)[1]
+        cfg, nearest = rc.config_for(d, H, "H200"), min((abs(math.log2(h / H)), h) for w, h in several if w == d)[1]
         full = {k: v for k, v in rc.TUNED_H200[(d, nearest)].items() if not k.startswith("block_")}
         assert cfg == replace(rc.DEFAULT, name=f"H200 d={d} H={nearest}, for H={H}", **full)
         assert all(getattr(cfg, f) == getattr(rc.DEFAULT, f) for f in ("block_fwd", "block_bwd", "block_waves"))
-    assert rc.config_for(512, 8).name == "H200 d=512 H=4, for H=8"
-    assert rc.config_for(1024, 4).name == "H200 d=1024 H=8, for H=4"   # (1024, 1), the single head's, is not nearer
+    assert rc.config_for(512, 8, "H200").name == "H200 d=512 H=4, for H=8"
+    assert rc.config_for(1024, 4, "H200").name == "H200 d=1024 H=8, for H=4"   # (1024, 1), the single head's, is not nearer
     assert rc.config_for(96, 4) is rc.DEFAULT and rc.config_for(2048, 16) is rc.DEFAULT
     assert rc.config_for(2048, 1) is rc.DEFAULT and rc.config_for(640, 1) is rc.DEFAULT   # a single head borrows none
     traced = torch.compile(lambda x: x * rc.config_for(1024, 4).fwd[0] * rc.config_for(96, 2).fwd[0], fullgraph=True)
@@ -853,15 +853,44 @@ def fake_gpu(monkeypatch, gpu):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(name=gpu))
 
 
-@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+@pytest.mark.parametrize("gpu", ["NVIDIA A100-SXM4-80GB", "NVIDIA H200"])
 def test_the_launch_line_names_the_card_of_its_table(monkeypatch, capsys, gpu):
-    """A tuned width on a GPU that is not an H200 says that the table it runs is the H200's (not a wrong detection)."""
+    """A tuned width on a GPU without a table of its own says that the table it runs is the H200's (not a wrong
+    detection)."""
     fake_gpu(monkeypatch, gpu)
     assert rc.table_card() == "H200"
     rc.announce.__wrapped__(rc.config_for(512, 4), 512, 4)
     line = capsys.readouterr().err
     assert "launch config 'H200 d=512 H=4'" in line
-    assert ("the H200's table on this NVIDIA H100 80GB HBM3, which has no table of its own" in line) == ("H100" in gpu)
+    assert (f"the H200's table on this {gpu}, which has no table of its own" in line) == ("A100" in gpu)
+
+
+def test_an_h100_runs_the_h100_table_and_the_h200s_where_it_has_no_entry(monkeypatch, capsys):
+    """The H100's own table (tuned on an H100 80GB HBM3) runs on any H100; a width it lacks, the single head's at d
+    1024, runs the H200's entry and says so."""
+    fake_gpu(monkeypatch, "NVIDIA H100 PCIe")
+    assert rc.table_card() == "H100"
+    for (d, H), tuned in rc.TUNED_H100.items():
+        assert rc.config_for(d, H) == replace(rc.DEFAULT, name=f"H100 d={d} H={H}", **tuned)
+    rc.announce.__wrapped__(rc.config_for(1024, 1), 1024, 1)
+    line = capsys.readouterr().err.rstrip()
+    assert "launch config 'H200 d=1024 H=1'" in line
+    assert line.endswith("; the H200's table on this NVIDIA H100 PCIe, whose own (H100) has no entry here")
+
+
+ENTRIES = [(card, d, H) for card, table in rc.TABLES.items() for d, H in table]
+
+
+@pytest.mark.parametrize("card,d,H", ENTRIES, ids=[f"{c}-{d}x{H}" for c, d, H in ENTRIES])
+def test_every_table_entry_routes_as_the_reference(card, d, H):
+    """Every tuned entry of every card's table, at its own width (its tiles over d, its leading sites, its block
+    routing settings): the chain's output and every gradient as the reference's, fp32, full and block routing, a short
+    chain whose sites read enough sources to lead (lead_min) and a token count no tile divides."""
+    cfg = rc.config_for(d, H, card)
+    assert cfg.name == f"{card} d={d} H={H}"
+    for blocks in (None, 2):
+        errs = bench_routing.check_against_reference(9, 1, 7, d, H, torch.float32, DEVICE, config=cfg, blocks=blocks)
+        assert max(errs.values()) < 1e-5, (blocks, errs)
 
 
 def test_a_card_runs_its_own_table_and_the_h200s_for_what_it_lacks(monkeypatch, capsys):
