@@ -304,5 +304,5 @@ def tune(kernels, shapes, time_fn, candidates=CANDIDATES):
         entry = {f.name: getattr(cfg, f.name) for f in fields(cfg)
                  if f.name != "name" and getattr(cfg, f.name) != getattr(DEFAULT, f.name)}
         print(f"tuned ({d}, {H}) on {_card_said()}: {entry}", flush=True)
-        tuned.append(cfg)
+        tuned.append(replace(cfg, name=f"tuned d={d} H={H}"))   # (its launch line says so, not the table it began from)
     return tuned

@@ -100,6 +100,22 @@ def test_bench_routing_blocks_option(monkeypatch):
     assert trials == 2 * list(rc.CHOICES["block_waves"]) and (cfg.block_bwd, cfg.block_waves) == ((1024, 2, 3), 8)
 
 
+def test_tune_train_rows_time_the_tuned_entries(monkeypatch):
+    """After --tune-train the shapes' rows time the settings the tuner chose, named for it ('tuned d= H='), not the
+    table the process began from; a shape it did not tune runs its card's table."""
+    seen = []
+    monkeypatch.setattr(bench_routing, "time_chain", lambda impl, N, B, T, d, H, device, ref=None, graph=False,
+                        config=None, blocks=None: seen.append((impl, graph, config)) or (1.0, 0.0))
+    (cfg,) = rc.tune(["fwd"], [("tiny-train", 2, 64, 4, 1, 16)], lambda c, *shape: 1.0 + (c.fwd != (512, 1, 4)),
+                     candidates=[(4096, 4, 4), (512, 1, 4)])
+    assert cfg.name == "tuned d=64 H=4" and cfg.fwd == (512, 1, 4) and rc.config_for(64, 4).fwd != (512, 1, 4)
+    args = types.SimpleNamespace(blocks=None, profile=False)
+    rows = bench_routing.time_shapes(args, [("tiny-train", 2, 64, 4, 1, 16), ("other-train", 2, 64, 4, 1, 16)], 1.0,
+                                     "cpu", {"tiny-train": cfg})
+    assert seen == [("fused", False, cfg), ("fused", True, cfg), ("fused", False, None), ("fused", True, None)]
+    assert [r["shape"] for r in rows] == ["tiny-train"] * 2 + ["other-train"] * 2
+
+
 def test_bench_ddp_smoke(tmp_path):
     """bench.py ddp under torchrun (2 CPU processes, gloo): the step with no average, one all-reduce after, and the
     overlapped buckets, and the share table."""
