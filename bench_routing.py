@@ -458,8 +458,8 @@ def time_shapes(args, shapes, copy_bw, device, configs=None):
             print(f"{name:11s} H={H:<2d} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s ({'4c' if args.blocks else '2c'} + 5 "
                   f"passes a site, {100 * gbps / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
         if args.profile or not name.endswith("train"):
-            print(f"{name:11s} fused kernels (profiler, ms): {profile_chain(N, B, T, d, H, device, (configs or {}).get(name), args.blocks)}",
-                  flush=True)
+            kernels = profile_chain(N, B, T, d, H, device, (configs or {}).get(name), args.blocks)
+            print(f"{name:11s} fused kernels (profiler, ms): {kernels}", flush=True)
     return rows
 
 
