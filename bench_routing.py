@@ -499,6 +499,6 @@ def main(argv):
                                                             blocks=args.blocks)[0]
             train = [s for s in shapes if s[0].endswith("train")]
             configs = dict(zip([s[0] for s in train], routing_config.tune(kernels, train, time_fn)))
-        rows = time_shapes(args, shapes, copy_bw, device, configs if kernels else None)   # (tuned: what the entry gives)
+        rows = time_shapes(args, shapes, copy_bw, device, configs if kernels else None)   # (tuned: the tuner's)
     write_json(args.output, header=head, copy_gbps=copy_bw, rows=rows)
     return rows

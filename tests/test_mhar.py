@@ -698,7 +698,7 @@ def test_fused_routing_config_for_and_launch():
         assert cfg == replace(rc.DEFAULT, name=f"H200 d={d} H={nearest}, for H={H}", **full)
         assert all(getattr(cfg, f) == getattr(rc.DEFAULT, f) for f in ("block_fwd", "block_bwd", "block_waves"))
     assert rc.config_for(512, 8, "H200").name == "H200 d=512 H=4, for H=8"
-    assert rc.config_for(1024, 4, "H200").name == "H200 d=1024 H=8, for H=4"   # (1024, 1), the single head's, is not nearer
+    assert rc.config_for(1024, 4, "H200").name == "H200 d=1024 H=8, for H=4"   # (1024, 1), a single head, not nearer
     assert rc.config_for(96, 4) is rc.DEFAULT and rc.config_for(2048, 16) is rc.DEFAULT
     assert rc.config_for(2048, 1) is rc.DEFAULT and rc.config_for(640, 1) is rc.DEFAULT   # a single head borrows none
     traced = torch.compile(lambda x: x * rc.config_for(1024, 4).fwd[0] * rc.config_for(96, 2).fwd[0], fullgraph=True)

@@ -38,14 +38,15 @@ for d, H in rc.TUNED_H100:
             for card in ("H200", "H100"):
                 cfg = rc.config_for(d, H, card)
                 sd = [s.to(dtype) for s in sh]
-                got = bench_routing.chain_grads("fused", x0.to(dtype), [q.float() for q in q64], [g.float() for g in g64],
+                q32, g32 = [q.float() for q in q64], [g.float() for g in g64]
+                got = bench_routing.chain_grads("fused", x0.to(dtype), q32, g32,
                                                 lambda j, x: torch.tanh(x) + sd[j].to(x.dtype), u, H, cfg, blocks)
                 errs = [((a - b).norm() / b.norm()).item() for a, b in zip(got, oracle)]
                 row.append(errs)
                 key = (str(dtype), card)
                 worst[key] = max(worst.get(key, 0.0), *errs)
+            said = [" ".join(f"{e:.2e}" for e in errs) for errs in row]
             print(f"d={d} H={H} N={N} T={T} {str(dtype):15s} blocks={blocks}: relative errors (out, d_source0, dq, dg) "
-                  f"H200 entry {' '.join(f'{e:.2e}' for e in row[0])} | H100 entry {' '.join(f'{e:.2e}' for e in row[1])}",
-                  flush=True)
+                  f"H200 entry {said[0]} | H100 entry {said[1]}", flush=True)
 for (dtype, card), e in sorted(worst.items()):
     print(f"worst {dtype} {card} entry: {e:.2e}")
