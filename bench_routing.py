@@ -447,18 +447,18 @@ def time_shapes(args, shapes, copy_bw, device, configs=None):
     """Each shape's chain: fused (eager and graphed), and at the Table 5 shapes the reference (compiled and eager);
     GB/s by the byte model, peak memory, the per-kernel profile. configs: {shape name: the launch settings it runs}
     (after --tune-train, the tuned ones); a shape without one runs its card's table (config_for)."""
-    rows, ref_compiled = [], torch.compile(route_reference, dynamic=True)
+    rows, ref_compiled, configs = [], torch.compile(route_reference, dynamic=True), configs or {}
     for name, L, d, H, B, T in shapes:
         N = 2 * L + 1
         for impl in ("fused", "fused-graph") + (() if name.endswith("train") else ("compiled", "eager")):
             t, mem = time_chain(impl.split("-")[0], N, B, T, d, H, device, ref_compiled, graph=impl.endswith("graph"),
-                                config=(configs or {}).get(name), blocks=args.blocks)
+                                config=configs.get(name), blocks=args.blocks)
             gbps = chain_bytes(N, B * T, d, args.blocks) / t / 1e6
             rows.append(dict(shape=name, heads=H, impl=impl, ms=t, gbps=gbps, copy_frac=gbps / copy_bw, peak_gb=mem))
             print(f"{name:11s} H={H:<2d} {impl:11s} {t:8.2f} ms  {gbps:6.0f} GB/s ({'4c' if args.blocks else '2c'} + 5 "
                   f"passes a site, {100 * gbps / copy_bw:4.1f}% of copy)  peak {mem:.2f} GB", flush=True)
         if args.profile or not name.endswith("train"):
-            kernels = profile_chain(N, B, T, d, H, device, (configs or {}).get(name), args.blocks)
+            kernels = profile_chain(N, B, T, d, H, device, configs.get(name), args.blocks)
             print(f"{name:11s} fused kernels (profiler, ms): {kernels}", flush=True)
     return rows
 
@@ -494,11 +494,12 @@ def main(argv):
             print(f"8B delta   {impl:15s} {t:8.1f} ms  peak {mem:.2f} GB  (64 sites, H 8, 2 x 4096 tokens, d 4096)", flush=True)
         print(f"fused is {rows[1]['ms'] / rows[0]['ms']:.2f}x faster than the checkpointed reference")
     else:
+        configs = {}   # shape name -> the tuned settings (--tune-train); the others run their card's table
         if kernels:
             time_fn = lambda cfg, L, d, H, B, T: time_chain("fused", 2 * L + 1, B, T, d, H, device, graph=True, config=cfg,
                                                             blocks=args.blocks)[0]
             train = [s for s in shapes if s[0].endswith("train")]
             configs = dict(zip([s[0] for s in train], routing_config.tune(kernels, train, time_fn)))
-        rows = time_shapes(args, shapes, copy_bw, device, configs if kernels else None)   # (tuned: the tuner's)
+        rows = time_shapes(args, shapes, copy_bw, device, configs)
     write_json(args.output, header=head, copy_gbps=copy_bw, rows=rows)
     return rows

@@ -26,6 +26,8 @@ import torch
 
 HERE = os.getcwd()
 BEFORE = os.path.abspath(sys.argv[1])
+if os.path.lexists(sys.argv[2]):   # (the record is written as it goes: never over another file)
+    sys.exit(f"ab.py: {sys.argv[2]} exists; give a new path for this record (nothing is replaced)")
 # every module either tree has: each tree imports its own (a name left out would be shared, the first tree's)
 NAMES = sorted({f[:-3] for tree in (BEFORE, HERE) for f in os.listdir(tree) if f.endswith(".py")})
 
