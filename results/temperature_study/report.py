@@ -736,7 +736,9 @@ if __name__ == "__main__":
         print(third_study(rs))
     if fourth_study(rs):
         print(f"\nThe fourth study (350M, planned; A ahead = A's loss lower; equivalent = within +-{PLAN4_BAND:g}):\n")
-        print(fourth_study(rs, *(os.path.join(args.log_dir, "..", x) for x in ("logs_drift", "logs_regime"))))
+        checks = (os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(args.log_dir)), x))
+                  for x in ("logs_drift", "logs_regime"))   # the log folder's siblings, named as from here
+        print(fourth_study(rs, *checks))
     speeds = [speed_table(rs, shape, ref, arms) for shape, ref, arms in SPEED_TABLES
               + [(sh, ref, arms.split(",")) for sh, ref, arms in (x.split(":") for x in args.speed)]]
     if any(speeds):
