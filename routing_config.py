@@ -71,12 +71,15 @@ TUNED_H200 = {
 }
 
 
-# Tuned the same way on one H100 80GB HBM3 (an H100 of another make runs it too), MHAR's three paper widths; each entry
-# is the tuner's, starting from the H200's: its block_* settings are the H200's, not tuned on this card. Against the
-# H200's entries it leads two sites from each forward at d 1024 too (less bandwidth a multiprocessor to hide behind).
+# Tuned the same way on one H100 80GB HBM3 (an H100 of another make runs it too), at the paper's four widths with
+# MHAR's head counts; each entry is the tuner's, starting from the H200's: its block_* settings are the H200's, not
+# tuned on this card. Against the H200's entries it leads two sites from each forward at d 768 and d 1024 too (less
+# bandwidth a multiprocessor to hide behind).
 TUNED_H100 = {
     (512, 4): dict(fwd=(512, 1, 4), fwd_lead=(512, 1, 4), fwd_lead_sites=2, gather=(1024, 2, 3),
                    gather_lead=(1024, 1, 3), block_fwd=(1024, 2, 4), block_waves=16),
+    (768, 4): dict(fwd=(512, 1, 3), fwd_lead=(512, 1, 4), fwd_lead_sites=2, gather=(512, 1, 3),
+                   gather_lead=(512, 1, 4), block_bwd=(2048, 4, 3), block_waves=4),
     (1024, 8): dict(fwd=(512, 1, 4), fwd_lead=(512, 1, 4), fwd_lead_sites=2, gather=(2048, 4, 3),
                     gather_lead=(512, 1, 3), block_bwd=(1024, 2, 3)),
     (1280, 8): dict(fwd=(512, 1, 3), fwd_lead=(512, 1, 4), fwd_lead_sites=2, gather=(1024, 2, 3),

@@ -3,7 +3,9 @@
 # (the reference routing run in float64 on the same inputs), fp32 and bf16, full routing and block routing at n = 8.
 # A new entry changes which tokens a program sums (dq, dg) and how the forward's leads group sites, so the two need not
 # be bitwise equal: the check is that the new entry's errors are the fused path's own (the H200 entry's, same inputs).
-#   python results/h100_table/oracle.py [T]      (T tokens a chain, 384 unless told; run from the repository root)
+# --reference: no fused path: the reference routing in the same dtype against the same oracle, at the real depths on
+# any device (the CPU too): the error the inputs' conditioning makes by itself, which a fused path can at best match.
+#   python results/h100_table/oracle.py [T] [--reference]   (T tokens a chain, 384 unless told; from the repository root)
 import os
 import sys
 
@@ -14,12 +16,15 @@ import bench_routing   # noqa: E402  (the repository's modules, from its root)
 import routing_config as rc   # noqa: E402
 
 DEPTH = {512: 12, 768: 12, 1024: 24, 1280: 36}
-T = int(sys.argv[1]) if len(sys.argv) > 1 else 384
+given = [a for a in sys.argv[1:] if not a.startswith("--")]
+T = int(given[0]) if given else 384
+reference = "--reference" in sys.argv
 device = "cuda" if torch.cuda.is_available() else "cpu"
+runs = [("reference", None)] if reference else [("H200 entry", "H200"), ("H100 entry", "H100")]
 print(bench_routing.header(device), flush=True)
 worst = {}
 for d, H in rc.TUNED_H100:
-    N = 2 * DEPTH.get(d, 2) + 1 if device == "cuda" else 7   # (the interpreter: a short chain)
+    N = 2 * DEPTH.get(d, 2) + 1 if device == "cuda" or reference else 7   # (the interpreter: a short chain)
     gen = torch.Generator().manual_seed(d + H)
     src0 = torch.randn(1, T, d, generator=gen, dtype=torch.float64)
     qs = [torch.randn(d, generator=gen, dtype=torch.float64) * 0.3 for _ in range(N)]
@@ -35,18 +40,17 @@ for d, H in rc.TUNED_H100:
             oracle = bench_routing.chain_grads("reference", x0, q64, g64, lambda j, x: torch.tanh(x) + sh[j], u, H,
                                                blocks=blocks)
             row = []
-            for card in ("H200", "H100"):
-                cfg = rc.config_for(d, H, card)
+            for label, card in runs:
                 sd = [s.to(dtype) for s in sh]
                 q32, g32 = [q.float() for q in q64], [g.float() for g in g64]
-                got = bench_routing.chain_grads("fused", x0.to(dtype), q32, g32,
-                                                lambda j, x: torch.tanh(x) + sd[j].to(x.dtype), u, H, cfg, blocks)
+                got = bench_routing.chain_grads("reference" if reference else "fused", x0.to(dtype), q32, g32,
+                                                lambda j, x: torch.tanh(x) + sd[j].to(x.dtype), u, H,
+                                                card and rc.config_for(d, H, card), blocks)
                 errs = [((a - b).norm() / b.norm()).item() for a, b in zip(got, oracle)]
-                row.append(errs)
-                key = (str(dtype), card)
+                row.append(f"{label} " + " ".join(f"{e:.2e}" for e in errs))
+                key = (str(dtype), label)
                 worst[key] = max(worst.get(key, 0.0), *errs)
-            said = [" ".join(f"{e:.2e}" for e in errs) for errs in row]
             print(f"d={d} H={H} N={N} T={T} {str(dtype):15s} blocks={blocks}: relative errors (out, d_source0, dq, dg) "
-                  f"H200 entry {said[0]} | H100 entry {said[1]}", flush=True)
-for (dtype, card), e in sorted(worst.items()):
-    print(f"worst {dtype} {card} entry: {e:.2e}")
+                  + " | ".join(row), flush=True)
+for (dtype, label), e in sorted(worst.items()):
+    print(f"worst {dtype} {label}: {e:.2e}")
