@@ -39,10 +39,9 @@ for d, H in rc.TUNED_H100:
             q64, g64 = [q.to(device) for q in qs], [g.to(device) for g in gs]
             oracle = bench_routing.chain_grads("reference", x0, q64, g64, lambda j, x: torch.tanh(x) + sh[j], u, H,
                                                blocks=blocks)
-            row = []
+            row, sd = [], [s.to(dtype) for s in sh]   # the inputs each entry (or the reference) routes
+            q32, g32 = [q.float() for q in q64], [g.float() for g in g64]
             for label, card in runs:
-                sd = [s.to(dtype) for s in sh]
-                q32, g32 = [q.float() for q in q64], [g.float() for g in g64]
                 got = bench_routing.chain_grads("reference" if reference else "fused", x0.to(dtype), q32, g32,
                                                 lambda j, x: torch.tanh(x) + sd[j].to(x.dtype), u, H,
                                                 card and rc.config_for(d, H, card), blocks)
